@@ -1,0 +1,30 @@
+# Two entry points: `make demo` and `make test`. Both set up .venv from pyproject.toml first.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup lint clean
+
+setup: $(STAMP)
+
+# torch is pinned to the local CPU wheel (torch==2.13.0) and installed first, so no
+# resolver ever reaches for a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m posttrain.cli demo
+
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+lint: $(STAMP)
+	$(VPY) -m ruff check posttrain tests benchmarks
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,373 @@
+"""Hugging Face checkpoint folders <-> posttrain models, without torch.
+
+`from_pretrained(path)` reads config.json (through transformers' AutoConfig, which also upgrades
+old rope formats), translates it into a ModelConfig, builds the model abstractly
+(`nnx.eval_shape`), and fills it tensor by tensor from single or sharded safetensors (placed
+with their logical sharding when a mesh is given). `save_pretrained(model, path)` writes
+config.json + safetensors (split into shards with an index past `max_shard_bytes`) that
+`transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+What it is not: a downloader. Paths are local folders; nothing is fetched from a hub.
+Fused posttrain layouts (qkv, gate/up) are split back into HF names on export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from posttrain.errors import PosttrainError
+from posttrain.models.config import ModelConfig, RopeConfig
+from posttrain.models.transformer import Transformer
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text")
+
+# ----------------------------------------------------------------------------- config
+
+
+def _rope(d: Optional[dict], default_theta: float = 10_000.0) -> RopeConfig:
+    d = dict(d or {})
+    kind = d.get("rope_type", d.get("type", "default")) or "default"
+    theta = d.get("rope_theta") or default_theta
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind == "linear":
+        return RopeConfig(theta=theta, kind="linear", factor=float(d["factor"]))
+    if kind == "llama3":
+        return RopeConfig(theta=theta, kind="llama3", factor=float(d["factor"]),
+                          low_freq_factor=float(d["low_freq_factor"]),
+                          high_freq_factor=float(d["high_freq_factor"]),
+                          original_max_position=int(d["original_max_position_embeddings"]))
+    raise PosttrainError(f"config.json: rope type {kind!r} is not supported (default, linear, llama3 are)")
+
+
+def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
+    """Translate a transformers config object into a ModelConfig."""
+    mt = getattr(hf, "model_type", None)
+    if mt not in SUPPORTED:
+        raise PosttrainError(
+            f"{where}: model_type {mt!r} is not supported; posttrain loads {', '.join(SUPPORTED)}. "
+            "Convert the checkpoint to one of these architectures or open an issue.")
+    if getattr(hf, "mlp_bias", False) or (mt != "qwen2" and getattr(hf, "attention_bias", False)):
+        raise PosttrainError(f"{where}: attention_bias / mlp_bias = true is not supported; set them false")
+    heads = hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    rp = getattr(hf, "rope_parameters", None) or {}
+    gemma = mt.startswith("gemma")
+    kw = dict(
+        family=mt.replace("_text", ""), vocab_size=hf.vocab_size, embed_dim=hf.hidden_size,
+        num_layers=hf.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads, head_dim=head_dim,
+        mlp_dim=hf.intermediate_size, max_position=getattr(hf, "max_position_embeddings", 8192),
+        norm_eps=hf.rms_norm_eps, tie_embeddings=bool(getattr(hf, "tie_word_embeddings", gemma)),
+    )
+    if mt == "gemma3_text":
+        kw["rope"] = _rope(rp.get("full_attention"))
+        kw["rope_local"] = _rope(rp.get("sliding_attention"))
+    else:
+        kw["rope"] = _rope(rp)
+    act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
+    if act not in ("silu", "gelu_pytorch_tanh", "gelu_tanh"):
+        raise PosttrainError(f"{where}: activation {act!r} is not supported (silu, gelu_pytorch_tanh are)")
+    kw["activation"] = "silu" if act == "silu" else "gelu_tanh"
+    if gemma:
+        kw.update(norm_unit_offset=True, embed_scale=True)
+    if mt in ("gemma2", "gemma3_text"):
+        kw.update(sandwich_norm=True, query_scale=hf.query_pre_attn_scalar ** -0.5,
+                  attn_softcap=getattr(hf, "attn_logit_softcapping", None),
+                  final_softcap=getattr(hf, "final_logit_softcapping", None))
+    kw["qkv_bias"] = mt == "qwen2"
+    kw["qk_norm"] = mt in ("qwen3", "gemma3_text")
+    types = getattr(hf, "layer_types", None)
+    window = getattr(hf, "sliding_window", None)
+    if types and "sliding_attention" in types:
+        kw["layer_types"] = tuple("sliding" if t == "sliding_attention" else "full" for t in types)
+        kw["sliding_window"] = window
+    elif mt == "mistral" and window:
+        kw["sliding_window"] = window  # Mistral: every layer slides
+    return ModelConfig(**kw)
+
+
+def config_to_hf(cfg: ModelConfig, **extra) -> dict:
+    """A transformers config dict (model_type + fields) for a ModelConfig."""
+    mt = {"gemma3": "gemma3_text"}.get(cfg.family, cfg.family)
+    if mt not in SUPPORTED:
+        raise PosttrainError(f"cannot export family {cfg.family!r}; supported: {SUPPORTED}")
+
+    def rope(r: RopeConfig) -> dict:
+        d = {"rope_type": r.kind, "rope_theta": r.theta}
+        if r.kind == "linear":
+            d["factor"] = r.factor
+        if r.kind == "llama3":
+            d.update(factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                     original_max_position_embeddings=r.original_max_position)
+        return d
+
+    d = dict(model_type=mt, vocab_size=cfg.vocab_size, hidden_size=cfg.embed_dim,
+             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+             num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, intermediate_size=cfg.mlp_dim,
+             max_position_embeddings=cfg.max_position, rms_norm_eps=cfg.norm_eps,
+             tie_word_embeddings=cfg.tie_embeddings, architectures=[_ARCH[mt]],
+             hidden_act="silu" if cfg.activation == "silu" else "gelu_pytorch_tanh")
+    if mt.startswith("gemma"):
+        d["hidden_activation"] = d["hidden_act"]
+    if mt == "gemma3_text":
+        d["rope_parameters"] = {"full_attention": rope(cfg.rope),
+                                "sliding_attention": rope(cfg.rope_local or cfg.rope)}
+    else:
+        d["rope_parameters"] = rope(cfg.rope)
+    if mt in ("gemma2", "gemma3_text"):
+        scalar = (cfg.query_scale or cfg.head_dim ** -0.5) ** -2
+        d.update(query_pre_attn_scalar=int(round(scalar)) if abs(scalar - round(scalar)) < 1e-6 else scalar,
+                 attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap)
+    if cfg.sliding_window:
+        d["sliding_window"] = cfg.sliding_window
+        if mt in ("qwen2", "qwen3"):
+            d["use_sliding_window"] = True
+    if cfg.layer_types or mt in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
+        d["layer_types"] = [("sliding_attention" if cfg.layer_type(i) == "sliding" else "full_attention")
+                            for i in range(cfg.num_layers)]
+    d["dtype"] = cfg.param_dtype
+    d.update(extra)
+    return d
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
+         "gemma3_text": "Gemma3ForCausalLM"}
+
+# ----------------------------------------------------------------------------- weight names
+# Each entry: posttrain path -> (HF keys, hf arrays -> posttrain array, posttrain array -> hf arrays).
+
+
+def _weight_map(cfg: ModelConfig) -> dict[tuple, tuple[list[str], Callable, Callable]]:
+    D, K, G, H = cfg.embed_dim, cfg.num_kv_heads, cfg.groups, cfg.head_dim
+    gemma_sandwich = cfg.sandwich_norm
+    ident = (lambda a: a, lambda a: [a])
+    m: dict = {("embed",): (["model.embed_tokens.weight"], *ident),
+               ("final_norm", "scale"): (["model.norm.weight"], *ident)}
+    if not cfg.tie_embeddings:
+        m[("lm_head",)] = (["lm_head.weight"], lambda w: w.T, lambda a: [a.T])
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        m[("layers", i, "attn", "qkv")] = (
+            [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
+            lambda q, k, v: np.concatenate([q.T.reshape(D, K, G, H), k.T.reshape(D, K, 1, H),
+                                            v.T.reshape(D, K, 1, H)], axis=2),
+            lambda w: [w[:, :, :G].reshape(D, K * G * H).T, w[:, :, G].reshape(D, K * H).T,
+                       w[:, :, G + 1].reshape(D, K * H).T])
+        if cfg.qkv_bias:
+            m[("layers", i, "attn", "qkv_bias")] = (
+                [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"],
+                lambda q, k, v: np.concatenate([q.reshape(K, G, H), k.reshape(K, 1, H), v.reshape(K, 1, H)], 1),
+                lambda b: [b[:, :G].reshape(-1), b[:, G].reshape(-1), b[:, G + 1].reshape(-1)])
+        m[("layers", i, "attn", "o")] = ([a + "o_proj.weight"], lambda w: w.T.reshape(K, G, H, D),
+                                         lambda w: [w.reshape(K * G * H, D).T])
+        if cfg.qk_norm:
+            m[("layers", i, "attn", "q_norm", "scale")] = ([a + "q_norm.weight"], *ident)
+            m[("layers", i, "attn", "k_norm", "scale")] = ([a + "k_norm.weight"], *ident)
+        m[("layers", i, "mlp", "gate_up")] = (
+            [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+            lambda g, u: np.stack([g.T, u.T], axis=1), lambda w: [w[:, 0].T, w[:, 1].T])
+        m[("layers", i, "mlp", "down")] = ([p + "mlp.down_proj.weight"], lambda w: w.T, lambda w: [w.T])
+        m[("layers", i, "attn_norm", "scale")] = ([p + "input_layernorm.weight"], *ident)
+        if gemma_sandwich:
+            m[("layers", i, "post_attn_norm", "scale")] = ([p + "post_attention_layernorm.weight"], *ident)
+            m[("layers", i, "mlp_norm", "scale")] = ([p + "pre_feedforward_layernorm.weight"], *ident)
+            m[("layers", i, "post_mlp_norm", "scale")] = ([p + "post_feedforward_layernorm.weight"], *ident)
+        else:
+            m[("layers", i, "mlp_norm", "scale")] = ([p + "post_attention_layernorm.weight"], *ident)
+    return m
+
+
+# ----------------------------------------------------------------------------- safetensors
+
+
+def _check_safetensors(path: str) -> None:
+    """Fail clearly on a missing or truncated file (header says more bytes than are there)."""
+    if not os.path.isfile(path):
+        raise PosttrainError(f"{path}: safetensors file is missing; copy the complete checkpoint folder again")
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header length beyond end of file")
+            header = json.loads(fh.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError) as e:
+        raise PosttrainError(f"{path}: not a readable safetensors file ({e}); the file is corrupt or "
+                             "truncated, copy it again") from None
+    if 8 + n + end > size:
+        raise PosttrainError(f"{path}: truncated safetensors file ({size} bytes, header needs {8 + n + end}); "
+                             "copy the file again")
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """HF key -> safetensors file, from the index json or the single model.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as fh:
+                weight_map = json.load(fh)["weight_map"]
+        except (ValueError, KeyError) as e:
+            raise PosttrainError(f"{index}: unreadable index ({e}); it needs a 'weight_map' object") from None
+        return {k: os.path.join(path, f) for k, f in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise PosttrainError(f"{path}: no model.safetensors or model.safetensors.index.json; posttrain reads "
+                             "safetensors checkpoints only (convert .bin files with transformers first)")
+    _check_safetensors(single)
+    with safe_open(single, "numpy") as f:
+        return {k: single for k in f.keys()}
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def load_config(path: str) -> ModelConfig:
+    """ModelConfig of a HF folder (config.json only)."""
+    if not os.path.isdir(path):
+        raise PosttrainError(f"{path}: model folder does not exist; pass a local Hugging Face checkpoint folder")
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise PosttrainError(f"{cfg_file}: missing; a Hugging Face model folder needs config.json "
+                             "(save the model with save_pretrained)")
+    try:
+        with open(cfg_file) as fh:
+            raw = json.load(fh)
+    except ValueError as e:
+        raise PosttrainError(f"{cfg_file}: invalid JSON ({e})") from None
+    if raw.get("model_type") not in SUPPORTED:
+        raise PosttrainError(
+            f"{cfg_file}: model_type {raw.get('model_type')!r} (architectures {raw.get('architectures')}) is not "
+            f"supported; posttrain loads {', '.join(SUPPORTED)}")
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(path, local_files_only=True)
+    return config_from_hf(hf, cfg_file)
+
+
+def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype: Optional[str] = None):
+    """Load a HF checkpoint folder into a Transformer (parameters in `dtype`)."""
+    cfg = load_config(path).replace(param_dtype=dtype, dtype=compute_dtype or dtype)
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    shardings = None
+    if mesh is not None:
+        from posttrain.sharding import state_shardings
+        shardings = dict(nnx.to_flat_state(state_shardings(state, mesh)))
+    files = _tensor_files(path)
+    checked: set = set()
+    handles: dict = {}
+    wmap = _weight_map(cfg)
+    flat = dict(nnx.to_flat_state(state))
+    try:
+        for key, var in flat.items():
+            if key not in wmap:
+                raise AssertionError(f"no HF name for posttrain parameter {key}")
+            names, load, _ = wmap[key]
+            arrays = []
+            for name in names:
+                if name not in files:
+                    raise PosttrainError(f"{path}: tensor {name!r} is missing from the checkpoint; the folder "
+                                         "does not match its config.json (wrong or partial checkpoint)")
+                fname = files[name]
+                if fname not in checked:
+                    _check_safetensors(fname)
+                    checked.add(fname)
+                    handles[fname] = safe_open(fname, "numpy")
+                arrays.append(handles[fname].get_tensor(name))
+            try:
+                value = load(*arrays)
+            except ValueError:
+                value = None
+            if value is None or value.shape != var.shape:
+                shapes = ", ".join(f"{n} {a.shape}" for n, a in zip(names, arrays))
+                raise PosttrainError(
+                    f"{path}: tensor shape mismatch for {shapes}; config.json implies {var.shape} for posttrain "
+                    f"parameter {'.'.join(map(str, key))}. The weights do not belong to this config.json")
+            value = jnp.asarray(value.astype(np.dtype(jnp.dtype(dtype))))
+            if shardings is not None:
+                value = jax.device_put(value, shardings[key])
+            var.set_value(value) if hasattr(var, "set_value") else setattr(var, "value", value)
+    finally:
+        for h in handles.values():
+            if hasattr(h, "__exit__"):
+                h.__exit__(None, None, None)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_bytes: int = 5 * 2**30,
+                    dtype: Optional[str] = None, **config_extra) -> str:
+    """Write config.json + safetensors (+ tokenizer) that transformers loads; atomic per folder."""
+    cfg = model.cfg
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
+    tensors: dict[str, np.ndarray] = {}
+    for key, (names, _, save) in _weight_map(cfg).items():
+        arr = np.asarray(jax.device_get(flat[key][...])).astype(out_dtype)
+        for n, a in zip(names, save(arr)):
+            tensors[n] = np.ascontiguousarray(a)
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".posttrain-export-", dir=parent)
+    try:
+        shards, cur, size = [], {}, 0
+        for n, a in tensors.items():
+            if cur and size + a.nbytes > max_shard_bytes:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[n] = a
+            size += a.nbytes
+        shards.append(cur)
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, s in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(s, os.path.join(tmp, fname), metadata={"format": "pt"})
+                weight_map.update({n: fname for n in s})
+            with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
+                json.dump({"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+                           "weight_map": weight_map}, fh, indent=2)
+        extra = dict(config_extra)
+        if tokenizer is not None:
+            extra.setdefault("bos_token_id", tokenizer.bos_id)
+            extra.setdefault("eos_token_id", tokenizer.eos_id)
+            extra.setdefault("pad_token_id", tokenizer.pad_id)
+            tokenizer.save_pretrained(tmp)
+        hf_cfg = config_to_hf(cfg, **extra)
+        hf_cfg["dtype"] = str(out_dtype)
+        with open(os.path.join(tmp, "config.json"), "w") as fh:
+            json.dump(hf_cfg, fh, indent=2)
+        _install(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _install(tmp: str, path: str) -> None:
+    """Move a finished export into place; an existing folder's old weights are replaced."""
+    if not os.path.exists(path):
+        os.replace(tmp, path)
+        return
+    for f in os.listdir(path):
+        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
+            os.remove(os.path.join(path, f))
+    for f in os.listdir(tmp):
+        os.replace(os.path.join(tmp, f), os.path.join(path, f))
+    os.rmdir(tmp)

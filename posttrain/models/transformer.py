@@ -1,0 +1,147 @@
+"""The one decoder-only Transformer (Flax NNX), driven by a ModelConfig; forward only.
+
+`Transformer(tokens, positions, *, cache=None, segment_ids=None, return_hidden=False,
+return_attn=False)` returns a `ModelOutput`. What it is not: a sampler (see `posttrain.generate`)
+or a loss (see `posttrain.losses`).
+
+Masking rule, the same with and without a cache: a query attends a key slot when the slot holds
+a real token (segment id != 0 / cache position >= 0), the slot is not after the query (causal by
+slot index), both belong to the same segment (packing), and, on sliding-window layers, the key's
+position is within `sliding_window` positions of the query's (query included).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain.models.config import ModelConfig
+from posttrain.models.layers import Block, RMSNorm, softcap
+from posttrain.sharding import constrain, param
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Keys and values of every layer, [B, K, S, H] each, plus slot bookkeeping.
+
+    pos [B, S] int32: the position of the token in each slot, -1 for an empty or padding slot.
+    index: scalar int32, the next slot to write (the same for every row: prompts are left-padded).
+    """
+
+    k: tuple
+    v: tuple
+    pos: jax.Array
+    index: jax.Array
+
+    @classmethod
+    def init(cls, cfg: ModelConfig, batch: int, size: int, dtype=None) -> "KVCache":
+        dtype = jnp.dtype(dtype or cfg.dtype)
+        shape = (batch, cfg.num_kv_heads, size, cfg.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        return cls(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   jnp.full((batch, size), -1, jnp.int32), jnp.zeros((), jnp.int32))
+
+    @property
+    def size(self) -> int:
+        return self.pos.shape[1]
+
+
+class ModelOutput(NamedTuple):
+    logits: Optional[jax.Array]  # [B, T, V] (None when return_logits=False)
+    cache: Optional[KVCache]  # updated cache when one was passed
+    hidden: Optional[tuple]  # L + 1 states [B, T, D]: embeddings, then each layer; the last after the final norm
+    attn: Optional[tuple]  # L attention probabilities [B, N, T, S]
+
+
+def attention_mask(q_pos, k_pos, q_slot, k_slot, q_seg=None, k_seg=None, window=None):
+    """[B, T, S] bool mask; see the module docstring. k_pos < 0 marks an empty slot."""
+    m = (k_pos[:, None, :] >= 0) & (k_slot[None, None, :] <= q_slot[None, :, None])
+    if q_seg is not None:
+        m &= q_seg[:, :, None] == k_seg[:, None, :]
+    if window is not None:
+        m &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
+    return m
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        pd = jnp.dtype(cfg.param_dtype)
+        self.embed = param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.embed_dim), pd),
+                           ("vocab", "embed"))
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.embed_dim, eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset,
+                                  param_dtype=pd)
+        self.lm_head = None if cfg.tie_embeddings else param(
+            nnx.initializers.normal(0.02)(rngs.params(), (cfg.embed_dim, cfg.vocab_size), pd),
+            ("embed", "vocab"))
+
+    def embed_tokens(self, tokens):
+        dt = jnp.dtype(self.cfg.dtype)
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        if self.cfg.embed_scale:
+            # HF Gemma rounds the normaliser to the compute dtype before multiplying.
+            x = x * jnp.asarray(self.cfg.embed_dim ** 0.5, dt)
+        return constrain(x, ("batch", "seq", "embed"))
+
+    def unembed(self, h):
+        """Final hidden states [B, T, D] (after the final norm) -> logits [B, T, V]."""
+        dt = jnp.dtype(self.cfg.dtype)
+        if self.lm_head is None:
+            logits = jnp.einsum("btd,vd->btv", h.astype(dt), self.embed[...].astype(dt))
+        else:
+            logits = jnp.einsum("btd,dv->btv", h.astype(dt), self.lm_head[...].astype(dt))
+        logits = softcap(logits, self.cfg.final_softcap)
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+    def __call__(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None,
+                 return_hidden=False, return_attn=False, return_logits=True) -> ModelOutput:
+        """tokens, positions: [B, T] int; segment_ids: [B, T] int (0 = padding) or None."""
+        B, T = tokens.shape
+        positions = positions.astype(jnp.int32)
+        q_slot = jnp.arange(T, dtype=jnp.int32)
+        if cache is None:
+            k_pos, k_slot, write = positions, q_slot, None
+            if segment_ids is not None:
+                k_pos = jnp.where(segment_ids != 0, positions, -1)
+            seg = segment_ids
+        else:
+            write = cache.index
+            new_pos = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, -1)
+            k_pos = jax.lax.dynamic_update_slice(cache.pos, new_pos, (0, write))
+            q_slot = q_slot + write
+            k_slot = jnp.arange(cache.size, dtype=jnp.int32)
+            seg = None  # a cache holds one sequence per row: no packing
+        masks = {w: attention_mask(positions, k_pos, q_slot, k_slot, seg, seg, w)
+                 for w in {blk.window for blk in self.layers}}
+
+        x = self.embed_tokens(tokens)
+        hidden, attns, ks, vs = [x], [], [], []
+        for i, blk in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x, kv, attn = blk(x, positions, masks[blk.window], kv, write, return_attn)
+            if cache is not None:
+                ks.append(kv[0])
+                vs.append(kv[1])
+            hidden.append(x)
+            attns.append(attn)
+        x = self.final_norm(x)
+        hidden[-1] = x
+        new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs), k_pos, cache.index + T)
+        return ModelOutput(
+            logits=self.unembed(x) if return_logits else None,
+            cache=new_cache,
+            hidden=tuple(hidden) if return_hidden else None,
+            attn=tuple(attns) if return_attn else None,
+        )
+
+
+def count_params(model_or_state) -> int:
+    """Number of parameters (works on abstract `eval_shape` models too)."""
+    state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
+    return int(sum(x.size for x in jax.tree.leaves(state)))

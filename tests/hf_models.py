@@ -1,0 +1,61 @@
+"""Tiny random Hugging Face checkpoints of every supported family, built locally with transformers.
+
+Shapes are small enough that a float32 forward takes milliseconds, yet exercise each family's
+features: GQA (4 query heads over 2 kv heads), qkv bias, q/k norm, sliding windows shorter than
+the test sequences, soft-capping, llama3 / linear RoPE scaling and tied embeddings.
+"""
+
+from __future__ import annotations
+
+import os
+
+COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+FAMILIES = {
+    "llama": dict(model_type="llama", head_dim=16, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                  rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                       high_freq_factor=4.0, original_max_position_embeddings=32)),
+    "qwen2": dict(model_type="qwen2", rms_norm_eps=1e-6, tie_word_embeddings=True,
+                  rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+    "qwen3": dict(model_type="qwen3", head_dim=24, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+    "mistral": dict(model_type="mistral", head_dim=16, sliding_window=5, tie_word_embeddings=False,
+                    rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+    "gemma": dict(model_type="gemma", head_dim=16, hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6),
+    "gemma2": dict(model_type="gemma2", head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+                   attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+                   rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+                   num_hidden_layers=4, layer_types=["sliding_attention", "full_attention",
+                                                     "sliding_attention", "sliding_attention"],
+                   rope_parameters={"full_attention": dict(rope_type="linear", rope_theta=1e6, factor=8.0),
+                                    "sliding_attention": dict(rope_type="default", rope_theta=1e4)}),
+}
+
+
+def hf_config(family: str):
+    from transformers import AutoConfig
+
+    kw = dict(COMMON)
+    kw.update(FAMILIES[family])
+    mt = kw.pop("model_type")
+    return AutoConfig.for_model(mt, **kw)
+
+
+def make_checkpoint(family: str, path: str, seed: int = 0, tokenizer=None) -> str:
+    """Random-weight HF checkpoint of `family` saved at `path` (float32 safetensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+    with torch.no_grad():  # non-trivial norm weights, so a (1 + w) vs w mix-up shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return os.fspath(path)
