@@ -297,7 +297,8 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
                 shapes = ", ".join(f"{n} {a.shape}" for n, a in zip(names, arrays))
                 raise PosttrainError(
                     f"{path}: tensor shape mismatch for {shapes}; config.json implies {var.shape} for posttrain "
-                    f"parameter {'.'.join(map(str, key))}. The weights do not belong to this config.json")
+                    f"parameter {'.'.join(map(str, key))}. The weights do not belong to this config.json: "
+                    "restore the checkpoint's own config.json or load matching weights")
             value = jnp.asarray(value.astype(np.dtype(jnp.dtype(dtype))))
             if shardings is not None:
                 value = jax.device_put(value, shardings[key])
