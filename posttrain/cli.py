@@ -1,1 +1,78 @@
-def main(): pass
+"""`posttrain` command line: `posttrain {generate,demo} ...`.
+
+Every user-caused error (PosttrainError) is printed as one line without a traceback and the
+process exits with code 2. Subcommands for training arrive with their trainers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from posttrain import _xla_defaults  # noqa: F401  (before JAX starts)
+from posttrain.errors import PosttrainError
+
+
+def _generate(args) -> None:
+    import jax
+
+    from posttrain.generate import Sampler, SamplingParams
+    from posttrain.models import from_pretrained
+    from posttrain.tokenizer import Tokenizer
+
+    if not args.prompt.strip():
+        raise PosttrainError("--prompt is empty; give the text to continue")
+    tok = Tokenizer.from_pretrained(args.model)
+    model = from_pretrained(args.model, dtype=args.dtype)
+    if args.chat:
+        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    else:
+        ids = tok.encode(args.prompt)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, n=args.n, stop_ids=tok.eos_ids)
+    sampler = Sampler(model, max_len=len(ids) + args.max_new_tokens)
+    out = sampler.generate([ids], params, key=jax.random.key(args.seed))
+    for i, text in enumerate(out.texts(tok)):
+        prefix = f"[{i}] " if args.n > 1 else ""
+        print(f"{prefix}{text}")
+
+
+def _demo(args) -> None:
+    from posttrain.tasks import demo
+
+    demo.run(out_dir=args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="posttrain", description="Post-training of language models in JAX.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="sample continuations from a Hugging Face checkpoint folder")
+    g.add_argument("--model", required=True, help="local HF checkpoint folder (config.json, safetensors, tokenizer)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--n", type=int, default=1, help="samples (the prompt is prefilled once)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--dtype", default="float32", help="parameter dtype: float32 | bfloat16")
+    g.set_defaults(func=_generate)
+    d = sub.add_parser("demo", help="run the built-in demo job on a tiny local model")
+    d.add_argument("--out", default="runs/demo", help="output folder")
+    d.set_defaults(func=_demo)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except PosttrainError as e:
+        print(f"posttrain: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Built-in tasks and the tiny-model recipe behind `posttrain demo`."""
