@@ -1,4 +1,4 @@
-"""`posttrain` command line: `posttrain {generate,demo} ...`.
+"""`posttrain` command line: `posttrain {sft,export,generate,demo} ...`.
 
 Every user-caused error (PosttrainError) is printed as one line without a traceback and the
 process exits with code 2. Subcommands for training arrive with their trainers.
@@ -37,10 +37,24 @@ def _generate(args) -> None:
         print(f"{prefix}{text}")
 
 
+def _sft(args) -> None:
+    from posttrain import config as C
+    from posttrain.trainers.sft import SFTTrainer
+
+    result = SFTTrainer(C.load(C.SFTConfig, args.config, args.overrides)).train()
+    print(f"[sft] done: loss {result.get('first_loss')} -> {result.get('loss')} in {result['seconds']:.1f} s")
+
+
+def _export(args) -> None:
+    from posttrain.trainers.sft import export_run
+
+    print(f"exported to {export_run(args.run, args.out, dtype=args.dtype)}")
+
+
 def _demo(args) -> None:
     from posttrain.tasks import demo
 
-    demo.run(out_dir=args.out)
+    demo.run(out_dir=args.out, steps=args.steps)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,8 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="float32", help="parameter dtype: float32 | bfloat16")
     g.set_defaults(func=_generate)
+    s = sub.add_parser("sft", help="supervised fine-tuning (full or LoRA) from a YAML config")
+    s.add_argument("--config", required=True, help="YAML file, e.g. configs/sft_tiny.yaml")
+    s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 train.steps=100")
+    s.set_defaults(func=_sft)
+    e = sub.add_parser("export", help="write a finished run as a Hugging Face folder (LoRA merged)")
+    e.add_argument("--run", required=True, help="run folder written by `posttrain sft`")
+    e.add_argument("--out", required=True, help="output Hugging Face folder")
+    e.add_argument("--dtype", default=None, help="weights dtype of the export (default: the run's)")
+    e.set_defaults(func=_export)
     d = sub.add_parser("demo", help="run the built-in demo job on a tiny local model")
     d.add_argument("--out", default="runs/demo", help="output folder")
+    d.add_argument("--steps", type=int, default=1500, help="SFT steps")
     d.set_defaults(func=_demo)
     return ap
 

@@ -62,6 +62,7 @@ class ModelConfig:
     rope_local: Optional[RopeConfig] = None  # RoPE of sliding layers (Gemma 3); None = `rope`
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of parameters
+    remat: bool = False  # recompute each layer's activations in the backward pass (saves memory)
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -163,6 +164,10 @@ PRESETS: dict[str, ModelConfig] = {
         **_GEMMA3, vocab_size=262_208, embed_dim=2560, num_layers=34, num_heads=8, num_kv_heads=4,
         mlp_dim=10_240, query_scale=256 ** -0.5, sliding_window=1024, layer_types=_gemma3_types(34),
         rope=RopeConfig(theta=1_000_000.0, kind="linear", factor=8.0)),
+    # The demo's from-scratch model (byte tokenizer: vocab 263).
+    "demo-tiny": ModelConfig(
+        family="llama", vocab_size=263, embed_dim=128, num_layers=3, num_heads=4, num_kv_heads=4,
+        head_dim=32, mlp_dim=512, max_position=512, rope=RopeConfig(theta=10_000.0)),
     # The anchor benchmark shape (../shared/anchors): a tiny Llama 3.
     "tiny-llama": ModelConfig(
         family="llama", vocab_size=2048, embed_dim=256, num_layers=4, num_heads=4, num_kv_heads=4,

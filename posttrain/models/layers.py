@@ -79,6 +79,14 @@ def apply_rope(x, positions, inv_freq):
     return (xf * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
+def lora_update(module, name: str, x, n_in_axes: int = 1):
+    """The LoRA adapter's contribution for projection `name` of `module`, or None (see lora.py)."""
+    lo = getattr(module, name + "_lora", None)
+    if lo is None or not lo.enabled:
+        return None
+    return lo(x, n_in_axes)
+
+
 def softcap(x, cap: Optional[float]):
     return x if cap is None else jnp.tanh(x / cap) * cap
 
@@ -99,6 +107,7 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = RMSNorm(H, **norm), RMSNorm(H, **norm)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_lora = self.o_lora = nnx.data(None)  # LoRA adapters, attached by models.lora.apply_lora
         self.groups = G
         self.dtype = jnp.dtype(cfg.dtype)
         self.scale = cfg.query_scale if cfg.query_scale is not None else H ** -0.5
@@ -113,6 +122,8 @@ class Attention(nnx.Module):
         """
         G, dt = self.groups, self.dtype
         qkv = jnp.einsum("btd,dkch->btkch", x.astype(dt), self.qkv[...].astype(dt))
+        if (d := lora_update(self, "qkv", x.astype(dt))) is not None:
+            qkv = qkv + d
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...].astype(dt)
         q, k, v = qkv[:, :, :, :G], qkv[:, :, :, G], qkv[:, :, :, G + 1]  # [B,T,K,G,H], [B,T,K,H] x2
@@ -136,6 +147,8 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt))
         y = jnp.einsum("btkgh,kghd->btd", out, self.o[...].astype(dt))
+        if (d := lora_update(self, "o", out, 3)) is not None:
+            y = y + d
         attn = None
         if return_attn:
             b, kh, g, t, s = probs.shape
@@ -152,14 +165,21 @@ class MLP(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.gate_up = param(init(rngs.params(), (D, 2, F), pd), ("embed", None, "mlp"))
         self.down = param(init(rngs.params(), (F, D), pd), ("mlp", "embed"))
+        self.gate_up_lora = self.down_lora = nnx.data(None)  # LoRA adapters, attached by models.lora.apply_lora
         self.act = jax.nn.silu if cfg.activation == "silu" else (lambda z: jax.nn.gelu(z, approximate=True))
         self.dtype = jnp.dtype(cfg.dtype)
 
     def __call__(self, x):
         dt = self.dtype
-        h = jnp.einsum("btd,dcf->btcf", x.astype(dt), self.gate_up[...].astype(dt))
+        x = x.astype(dt)
+        h = jnp.einsum("btd,dcf->btcf", x, self.gate_up[...].astype(dt))
+        if (d := lora_update(self, "gate_up", x)) is not None:
+            h = h + d
         h = constrain(self.act(h[:, :, 0]) * h[:, :, 1], ("batch", "seq", "mlp"))
-        return jnp.einsum("btf,fd->btd", h, self.down[...].astype(dt))
+        y = jnp.einsum("btf,fd->btd", h, self.down[...].astype(dt))
+        if (d := lora_update(self, "down", h)) is not None:
+            y = y + d
+        return y
 
 
 class Block(nnx.Module):

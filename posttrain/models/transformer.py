@@ -122,9 +122,13 @@ class Transformer(nnx.Module):
 
         x = self.embed_tokens(tokens)
         hidden, attns, ks, vs = [x], [], [], []
+        remat = self.cfg.remat and cache is None and not return_attn
         for i, blk in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, kv, attn = blk(x, positions, masks[blk.window], kv, write, return_attn)
+            if remat:  # training path: keep only each layer's input for the backward pass
+                x, kv, attn = nnx.remat(lambda b, h, p, m: b(h, p, m))(blk, x, positions, masks[blk.window])
+            else:
+                x, kv, attn = blk(x, positions, masks[blk.window], kv, write, return_attn)
             if cache is not None:
                 ks.append(kv[0])
                 vs.append(kv[1])

@@ -1,0 +1,349 @@
+"""Typed run configuration: YAML file + dotted command-line overrides -> frozen dataclasses.
+
+What it is: (A) small generic machinery that turns nested dicts into frozen, keyword-only
+dataclasses (`from_dict`, `load`) and back (`to_dict`, `save`), checking every key and type so a
+typo or a wrong value fails at startup with a message naming the dotted key; (B) the config
+sections shared by all trainers (model, data, optim, lora, train) and the SFT config.
+
+What it is not: not a general schema library (field types: int, float, str, bool, Optional[X],
+tuple[X, ...], Literal[...], nested dataclasses, dict[str, X]; anything else is a bug in the
+dataclass, raised as TypeError), and it does not resolve paths or load models or data: sections
+only hold and validate values. Trainer-specific configs (DPO, GRPO, ...) live next to their
+trainers and reuse these sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Literal, TypeVar
+
+import yaml
+
+from posttrain.errors import PosttrainError
+
+T = TypeVar("T")
+
+# ----------------------------------------------------------------------------- generic machinery
+
+
+def _unknown_key(where: str, prefix: str, key: str, known: Sequence[str]) -> PosttrainError:
+    dotted = f"{prefix}{key}"
+    scope = f"under {prefix[:-1]}" if prefix else "at the top level"
+    msg = f"{where}: unknown key '{dotted}' (known keys {scope}: {', '.join(known)}"
+    close = difflib.get_close_matches(str(key), known, n=1)
+    return PosttrainError(msg + (f"; did you mean '{close[0]}'?)" if close else ")"))
+
+
+def _optional_arg(tp) -> object | None:
+    """X for Optional[X] / X | None, else None. Other unions are unsupported on purpose."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"config fields support only Optional[X] unions, got {tp}")
+        return args[0]
+    return None
+
+
+def _describe(tp) -> str:
+    """Human-readable expected type for error messages."""
+    if (inner := _optional_arg(tp)) is not None:
+        return f"{_describe(inner)} or null"
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple:
+        return f"a list of {_describe(args[0])}"
+    if origin is dict:
+        return f"a mapping of str to {_describe(args[1])}"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping (section {tp.__name__})"
+    return {bool: "bool (true or false)", int: "int", float: "float", str: "str"}.get(tp, str(tp))
+
+
+def _type_error(where: str, key: str, tp, value, hint: str = "") -> PosttrainError:
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    kind = type(value).__name__
+    return PosttrainError(f"{where}: '{key}' must be {_describe(tp)}, got {shown} ({kind}){hint}")
+
+
+def _convert(tp, value, key: str, where: str):
+    """Check `value` against field type `tp` and return it in canonical form (tuples, floats)."""
+    if (inner := _optional_arg(tp)) is not None:
+        return None if value is None else _convert(inner, value, key, where)
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):  # programmatic callers may pass a ready section
+            return value
+        # An empty YAML section (`lora:` with nothing under it) parses as None: same as {}.
+        return _build(tp, {} if value is None else value, where, key + ".")
+    if origin is Literal:
+        # Compare type too, so 1 does not match Literal[True] and "1" does not match Literal[1].
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise _type_error(where, key, tp, value)
+    if origin is tuple and args[-1] is Ellipsis:
+        # YAML gives lists; a bare string is rejected rather than silently split into characters.
+        if not isinstance(value, (list, tuple)):
+            raise _type_error(where, key, tp, value, "; write a list, e.g. [a, b]")
+        return tuple(_convert(args[0], v, f"{key}[{i}]", where) for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise _type_error(where, key, tp, value)
+        return {k: _convert(args[1], v, f"{key}.{k}", where) for k, v in value.items()}
+    if tp is bool or (tp in (int, float) and isinstance(value, bool)):
+        # bool is an int subclass in Python, and 0/1 or "true" (quoted) for a flag are almost always
+        # mistakes, so flags take only real booleans and numbers never take booleans.
+        if tp is bool and isinstance(value, bool):
+            return value
+        raise _type_error(where, key, tp, value, "; write true or false without quotes" if tp is bool else "")
+    if (tp is int and isinstance(value, int)) or (tp is str and isinstance(value, str)):
+        return value
+    if tp is float and isinstance(value, (int, float, str)):
+        # PyYAML implements YAML 1.1, which reads `3e-4` and `1e5` (no dot) as strings; numbers
+        # written that way are common for learning rates, so accept strings that parse as floats.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str):
+        raise _type_error(where, key, tp, value, "; quote it to pass it as text" if tp is str else "")
+    raise TypeError(f"unsupported config field type {tp!r} for '{key}'")
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls) if f.init]
+
+
+def _build(cls: type[T], data, where: str, prefix: str) -> T:
+    if not isinstance(data, Mapping):
+        scope = f"'{prefix[:-1]}'" if prefix else "the top level"
+        raise PosttrainError(f"{where}: {scope} must be a mapping of keys ({', '.join(_field_names(cls))}), "
+                             f"got {data!r} ({type(data).__name__})")
+    hints, fields = typing.get_type_hints(cls), [f for f in dataclasses.fields(cls) if f.init]
+    names = [f.name for f in fields]
+    # Unknown keys first: a typo in a required key then gets "did you mean" instead of "missing".
+    for key in data:
+        if key not in names:
+            raise _unknown_key(where, prefix, key, names)
+    kwargs, missing = {}, []
+    for f in fields:
+        dotted = prefix + f.name
+        if f.name in data:
+            kwargs[f.name] = _convert(hints[f.name], data[f.name], dotted, where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if dataclasses.is_dataclass(hints[f.name]):
+                # A missing required section: build it empty so the error names the leaf that
+                # is actually needed (e.g. 'data.train'), not just 'data'.
+                kwargs[f.name] = _convert(hints[f.name], {}, dotted, where)
+            else:
+                missing.append(dotted)
+    if missing:
+        keys = ", ".join(f"'{k}'" for k in missing)
+        raise PosttrainError(f"{where}: missing required key {keys} (set it in the YAML file or on the "
+                             f"command line as {missing[0]}=...)")
+    try:
+        return cls(**kwargs)
+    except PosttrainError as e:  # invariants in __post_init__: add which file/source they came from
+        raise PosttrainError(f"{where}: {e}") from None
+
+
+def from_dict(cls: type[T], data: Mapping, where: str = "config") -> T:
+    """Build dataclass `cls` from a nested dict, checking keys and types; `where` prefixes errors."""
+    return _build(cls, data, where, "")
+
+
+def _apply_override(cls, data: dict, item: str) -> None:
+    """Set one `a.b.c=value` override in `data` (in place), validating the key path against `cls`."""
+    where = "command line"
+    if "=" not in item:
+        raise PosttrainError(f"{where}: override {item!r} has no '='; expected the form key=value, "
+                             f"e.g. optim.lr=1e-5")
+    dotted, raw = (s.strip() for s in item.split("=", 1))
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e)
+        raise PosttrainError(f"{where}: cannot parse the value of {item!r} as YAML ({problem}); quote "
+                             f"strings that contain YAML syntax, e.g. key='a: b'") from None
+    parts, node, tp, prefix = dotted.split("."), data, cls, ""
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if typing.get_origin(tp) is dict:
+            # A free-form mapping field: the next part is a mapping key and must be the last one.
+            if not last:
+                raise PosttrainError(f"{where}: '{dotted}' goes too deep: '{prefix[:-1]}' maps names "
+                                     f"to values, so set {prefix}{part}=...")
+            tp = typing.get_args(tp)[1]
+        else:
+            names = _field_names(tp)
+            if part not in names:
+                raise _unknown_key(where, prefix, part, names)
+            tp = typing.get_type_hints(tp)[part]
+        if last:
+            # Type-check now so a bad value is blamed on the command line, not on the YAML file.
+            _convert(tp, value, dotted, where)
+            node[part] = value
+            return
+        tp = _optional_arg(tp) or tp  # descend through Optional[Section]
+        if not (dataclasses.is_dataclass(tp) or typing.get_origin(tp) is dict):
+            raise PosttrainError(f"{where}: '{prefix}{part}' is a value, not a section, so '{dotted}' "
+                                 f"is not a key; use {prefix}{part}=...")
+        if node.get(part) is None:
+            node[part] = {}
+        elif not isinstance(node[part], dict):
+            raise PosttrainError(f"{where}: cannot set '{dotted}': '{prefix}{part}' in the config file is "
+                                 f"{node[part]!r}, not a section")
+        node, prefix = node[part], f"{prefix}{part}."
+
+
+def load(cls: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> T:
+    """Read YAML `path` (None: start empty), apply dotted `key=value` overrides, build `cls`."""
+    data: dict = {}
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = yaml.safe_load(f)
+        except OSError as e:  # missing file, a folder, no permission
+            raise PosttrainError(f"cannot read config file {path}: {e.strerror} (check the path)") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            loc = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+            problem = getattr(e, "problem", None) or str(e)
+            raise PosttrainError(f"{loc}: YAML syntax error: {problem} (fix the file at that line)") from None
+        data = {} if data is None else data  # an empty file is an empty config
+        if not isinstance(data, dict):
+            raise PosttrainError(f"{path}: the top level must be a mapping of keys "
+                                 f"({', '.join(_field_names(cls))}), got {type(data).__name__}")
+    for item in overrides:
+        _apply_override(cls, data, item)
+    return from_dict(cls, data, where=str(path) if path is not None else "command line")
+
+
+def to_dict(obj) -> dict:
+    """Inverse of `from_dict`: a dataclass becomes plain dicts, lists and scalars (YAML/JSON safe)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj  # scalars: recursion bottoms out here
+
+
+def save(obj, path: str | os.PathLike) -> None:
+    """Write `obj` as YAML (field order kept), creating the parent folder; `load` reads it back."""
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        yaml.safe_dump(to_dict(obj), f, sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- shared sections
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSection:
+    path: str | None = None  # local HF checkpoint folder (config.json + safetensors); default None
+    preset: str | None = None  # or a named preset, randomly initialised (tests, demo); default None
+    tokenizer: str | None = None  # folder; None = model path, or the byte tokenizer with a preset
+    dtype: str = "float32"  # parameter dtype; default "float32"
+    compute_dtype: str | None = None  # activation dtype; None = dtype, "bfloat16" for mixed precision
+    remat: bool = False  # rematerialise each layer in the backward pass (less memory, ~30% more compute)
+    seed: int = 0  # PRNG seed for preset initialisation; default 0
+
+    def __post_init__(self):
+        if (self.path is None) == (self.preset is None):
+            got = "both" if self.path is not None else "neither"
+            raise PosttrainError(f"set exactly one of model.path (a local HF checkpoint folder) or "
+                                 f"model.preset (a named random-init preset); got {got}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataSection:
+    train: str  # training data: .jsonl, .parquet or a datasets.save_to_disk folder (required)
+    eval: str | None = None  # held-out data in the same formats; None = no evaluation set
+    max_length: int = 512  # tokens per sequence (and per packed row); default 512
+    # What to do with rows longer than max_length: raise, keep the first / last tokens, or skip the row.
+    truncation: Literal["error", "keep_start", "keep_end", "drop"] = "error"
+    packing: bool = False  # concatenate short rows into max_length rows (no cross-row attention)
+    completion_only_loss: bool = True  # prompt/completion rows: loss on completion tokens only
+    assistant_only_loss: bool = True  # chat rows: loss on assistant turns only
+    skip_bad_rows: bool = False  # skip malformed rows with a warning instead of raising
+    shuffle: bool = True  # shuffle rows every epoch; default true
+    seed: int = 0  # shuffle seed; default 0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimSection:
+    lr: float = 1e-5  # peak learning rate (after warmup); default 1e-5
+    schedule: Literal["constant", "linear", "cosine"] = "cosine"  # decay after warmup; default cosine
+    warmup_steps: int = 0  # optimizer steps of linear warmup from 0 to lr; default 0
+    min_lr_ratio: float = 0.0  # final lr as a fraction of lr for linear/cosine decay; default 0.0
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay per step, times lr; default 0.0
+    beta1: float = 0.9  # Adam first-moment decay; default 0.9
+    beta2: float = 0.999  # Adam second-moment decay; default 0.999
+    eps: float = 1e-8  # Adam denominator epsilon; default 1e-8
+    max_grad_norm: float | None = 1.0  # global-norm gradient clipping; None = off; default 1.0
+
+    def __post_init__(self):
+        if not self.lr > 0:  # `not >` also rejects NaN
+            raise PosttrainError(f"optim.lr must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise PosttrainError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.warmup_steps < 0:
+            raise PosttrainError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise PosttrainError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise PosttrainError(f"optim.max_grad_norm must be > 0 or null (off), got {self.max_grad_norm}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSection:
+    enabled: bool = False  # train low-rank adapters instead of all weights; default false
+    rank: int = 8  # adapter rank r; default 8
+    alpha: float = 16.0  # scaling numerator: update = (alpha / rank) * B @ A; default 16.0
+    dropout: float = 0.0  # dropout probability on the adapter input; default 0.0
+    # Projection names to adapt, each matched by regex search against parameter paths.
+    targets: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise PosttrainError(f"lora.rank must be >= 1, got {self.rank}")
+        if not 0 <= self.dropout < 1:
+            raise PosttrainError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainSection:
+    steps: int = 100  # optimizer steps; default 100
+    batch_size: int = 8  # sequences per optimizer step (global, across devices); default 8
+    micro_batch_size: int | None = None  # sequences per forward/backward; None = batch_size
+    log_every: int = 10  # steps between metric logs; default 10
+    eval_every: int = 0  # steps between evaluations; 0 = off; default 0
+    save_every: int = 0  # steps between checkpoints; 0 = only at the end; default 0
+    seed: int = 0  # PRNG seed for dropout and sampling; default 0
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size"):
+            if getattr(self, name) < 1:
+                raise PosttrainError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        micro = self.micro_batch_size
+        if micro is not None and (micro < 1 or self.batch_size % micro):
+            raise PosttrainError(f"train.micro_batch_size ({micro}) must divide train.batch_size "
+                                 f"({self.batch_size}) evenly: gradients are accumulated over "
+                                 f"batch_size / micro_batch_size steps")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    model: ModelSection  # which model to fine-tune (required)
+    data: DataSection  # training data (required)
+    optim: OptimSection = dataclasses.field(default_factory=OptimSection)  # AdamW + lr schedule
+    lora: LoraSection = dataclasses.field(default_factory=LoraSection)  # adapters; off by default
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)  # steps, batch, logging
+    run_dir: str = "runs/sft"  # folder for checkpoints, logs and the saved config; default runs/sft

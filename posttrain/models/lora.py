@@ -1,0 +1,131 @@
+"""LoRA: low-rank adapters on chosen projections; adapter-only training state; merge for export.
+
+What it is: `apply_lora(model, rank=..., alpha=..., dropout=..., targets=(...))` attaches a
+`Lora` adapter beside each projection whose name matches a target pattern (`qkv`, `o`,
+`gate_up`, `down`; regex search on the dotted path, e.g. `layers\\.0\\.attn\\.qkv`). The
+projection then computes x W + (alpha / rank) * dropout(x) A B (Hu et al., 2021), with B = 0
+at start so the adapted model equals the base. Adapter weights are `LoraParam`s, a Param
+subtype: the trainer trains `LoraParam` only and the base stays frozen; `adapters_off(model)`
+gives the base model itself (the DPO/KL reference, no copy); `merge_lora(model)` folds
+W + scale * A B into the base weights and removes the adapters (for export).
+
+What it is not: QLoRA (no quantised base) or DoRA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain.errors import PosttrainError
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+class LoraParam(nnx.Param):
+    """A trainable adapter weight (the base parameters are plain Params)."""
+
+
+class Lora(nnx.Module):
+    """Adapter for a projection whose weight has shape in_shape + out_shape."""
+
+    def __init__(self, in_shape, out_shape, *, rank: int, alpha: float, dropout: float, rngs: nnx.Rngs,
+                 param_dtype=jnp.float32):
+        self.in_shape, self.out_shape = tuple(in_shape), tuple(out_shape)
+        d_in, d_out = math.prod(in_shape), math.prod(out_shape)
+        # A ~ Kaiming-uniform as in PEFT; B = 0 so training starts from the base model.
+        bound = 1.0 / math.sqrt(d_in)
+        self.a = LoraParam(jax.random.uniform(rngs.params(), (d_in, rank), param_dtype, -bound, bound))
+        self.b = LoraParam(jnp.zeros((rank, d_out), param_dtype))
+        self.scale = alpha / rank
+        self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
+        self.enabled = True
+
+    def __call__(self, x, n_in_axes: int):
+        """x [..., *in_shape] -> [..., *out_shape] low-rank update (zeros when disabled)."""
+        lead = x.shape[: x.ndim - n_in_axes]
+        h = x.reshape(lead + (-1,))
+        if self.dropout is not None:
+            h = self.dropout(h)
+        h = (h @ self.a[...].astype(x.dtype)) @ self.b[...].astype(x.dtype)
+        return (h * self.scale).reshape(lead + self.out_shape)
+
+    def delta(self):
+        """scale * A B shaped like the base weight."""
+        return (self.a[...] @ self.b[...] * self.scale).reshape(self.in_shape + self.out_shape)
+
+
+def _projection_owners(model):
+    """(dotted path, owner module, attribute name) of every projection weight."""
+    for path, mod in nnx.iter_graph(model):
+        if not isinstance(mod, nnx.Module):
+            continue
+        for name in PROJECTIONS:
+            w = getattr(mod, name, None)
+            if isinstance(w, nnx.Param) and not isinstance(w, LoraParam):
+                yield ".".join(map(str, path + (name,))), mod, name
+
+
+def _in_axes(name: str) -> int:
+    return 3 if name == "o" else 1  # o contracts (K, G, H); the others contract one axis
+
+
+def apply_lora(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
+               targets: Sequence[str] = PROJECTIONS, seed: int = 0):
+    """Attach adapters in place to projections matching any pattern in `targets`; returns model."""
+    rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+    pats = [re.compile(t) for t in targets]
+    hits = 0
+    for path, mod, name in list(_projection_owners(model)):
+        if not any(p.search(path) for p in pats):
+            continue
+        w = getattr(mod, name)
+        k = _in_axes(name)
+        setattr(mod, name + "_lora", Lora(w.shape[:k], w.shape[k:], rank=rank, alpha=alpha, dropout=dropout,
+                                          rngs=rngs, param_dtype=w[...].dtype))
+        hits += 1
+    if hits == 0:
+        raise PosttrainError(f"lora.targets {list(targets)} matched no projection; projections are named "
+                             f"{', '.join(PROJECTIONS)} (e.g. 'qkv', 'layers\\.0\\.attn\\.o')")
+    return model
+
+
+def lora_adapters(model):
+    return [m for _, m in nnx.iter_graph(model) if isinstance(m, Lora)]
+
+
+@contextlib.contextmanager
+def adapters_off(model):
+    """Inside this block the model computes with its base weights only (the reference model)."""
+    adapters = lora_adapters(model)
+    for a in adapters:
+        a.enabled = False
+    try:
+        yield model
+    finally:
+        for a in adapters:
+            a.enabled = True
+
+
+def merge_lora(model):
+    """Fold every adapter into its base weight and remove it (in place); returns model."""
+    for _, mod, name in list(_projection_owners(model)):
+        lo = getattr(mod, name + "_lora", None)
+        if lo is None:
+            continue
+        w = getattr(mod, name)
+        w[...] = (w[...] + lo.delta().astype(w[...].dtype))
+        setattr(mod, name + "_lora", nnx.data(None))
+    return model
+
+
+def trainable_fraction(model) -> float:
+    n_lora = sum(x.size for x in jax.tree.leaves(nnx.state(model, LoraParam)))
+    n_all = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return n_lora / n_all

@@ -1,0 +1,47 @@
+"""Save and restore a (trainable) NNX state as one safetensors file, atomically.
+
+Keys are the dotted parameter paths (`layers.0.attn.qkv_lora.a`). The file is written beside
+its destination and renamed into place, so a crash mid-write never leaves a torn file.
+What it is not: full training checkpoints with optimizer and data state ([ops] brings Orbax).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from posttrain.errors import PosttrainError
+
+
+def _key(path) -> str:
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
+def save_state(state: nnx.State, path: str) -> None:
+    flat = {_key(p): np.asarray(jax.device_get(v[...] if isinstance(v, nnx.Variable) else v))
+            for p, v in nnx.to_flat_state(state)}
+    tmp = path + ".tmp"
+    save_file(flat, tmp, metadata={"format": "posttrain"})
+    os.replace(tmp, path)
+
+
+def load_state(path: str, like: nnx.State) -> nnx.State:
+    """Values from `path` placed into a copy of the structure `like` (shapes must match)."""
+    if not os.path.isfile(path):
+        raise PosttrainError(f"{path}: weights file is missing; was the run finished?")
+    data = load_file(path)
+    flat = []
+    for p, v in nnx.to_flat_state(like):
+        k = _key(p)
+        if k not in data:
+            raise PosttrainError(f"{path}: has no tensor {k!r}; the run's config.yaml does not match its weights")
+        arr = data[k]
+        if arr.shape != v.shape:
+            raise PosttrainError(f"{path}: tensor {k!r} has shape {arr.shape}, the model expects {v.shape}")
+        flat.append((p, v.replace(jnp.asarray(arr, v[...].dtype) if hasattr(v, "replace") else arr)))
+    return nnx.from_flat_state(flat)

@@ -1,0 +1,100 @@
+"""Train state and the one jitted train step built from a loss function.
+
+`make_train_step(loss_fn, optimizer, graphdef)` returns `step(state, batch) -> (state, metrics)`:
+one `jax.jit` with the state donated, no host sync and no Python branching on data. The model is
+split once into (graphdef, trainable params, rest): `rest` holds frozen weights (the LoRA base)
+and RNG counters; the optimizer touches only the trainable params.
+
+Gradient accumulation: with `micro_batches = M` the batch [B, ...] is viewed as [M, B/M, ...]
+and a `lax.scan` sums each micro-batch's loss total and gradient; both are divided by the summed
+denominator at the end (losses return sums; see `posttrain.losses`), so M micro-batches give the
+full-batch gradient exactly (token-weighted), whatever the padding in each micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: updates applied so far
+    params: nnx.State  # trainable parameters
+    rest: nnx.State  # everything else of the model (frozen weights, RNG counters)
+    opt_state: optax.OptState
+    rng: jax.Array  # PRNG key for dropout / sampling inside the loss
+
+
+def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, *, trainable=nnx.Param,
+               seed: int = 0):
+    """(graphdef, TrainState) for `model`; `trainable` is an NNX filter (nnx.Param, LoraParam, ...)."""
+    graphdef, params, rest = nnx.split(model, trainable, ...)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
+                       opt_state=optimizer.init(params), rng=jax.random.key(seed))
+    return graphdef, state
+
+
+def merge(graphdef, state: TrainState) -> nnx.Module:
+    """The model with the state's current weights."""
+    return nnx.merge(graphdef, state.params, state.rest)
+
+
+def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, graphdef, *,
+                    micro_batches: int = 1, schedule: Optional[optax.Schedule] = None,
+                    frozen_graphdef=None, trainable=nnx.Param):
+    """Build the jitted `step(state, batch, frozen=None) -> (state, metrics)`.
+
+    `frozen` (optional) is the state of a frozen model (reference / teacher) rebuilt with
+    `frozen_graphdef` and handed to `loss_fn(policy, batch, frozen=..., rng=...)`.
+    """
+
+    def grads_of(params, rest, batch, frozen_model, rng):
+        def f(p):
+            model = nnx.merge(graphdef, p, rest)
+            total, metrics = loss_fn(model, batch, frozen=frozen_model, rng=rng)
+            _, _, new_rest = nnx.split(model, trainable, ...)
+            return total, (metrics, new_rest)
+
+        (total, (metrics, new_rest)), grads = jax.value_and_grad(f, has_aux=True)(params)
+        return grads, metrics, new_rest
+
+    def step(state: TrainState, batch, frozen=None):
+        frozen_model = None if frozen is None else nnx.merge(frozen_graphdef, frozen)
+        rng, sub = jax.random.split(state.rng)
+        if micro_batches == 1:
+            grads, metrics, rest = grads_of(state.params, state.rest, batch, frozen_model, sub)
+        else:
+            mbs = jax.tree.map(lambda x: x.reshape((micro_batches, -1) + x.shape[1:]), batch)
+
+            def body(carry, xs):
+                g_acc, m_acc, rest = carry
+                mb, i = xs
+                g, m, rest = grads_of(state.params, rest, mb, frozen_model, jax.random.fold_in(sub, i))
+                return (jax.tree.map(jnp.add, g_acc, g), jax.tree.map(jnp.add, m_acc, m), rest), None
+
+            first = jax.tree.map(lambda x: x[0], mbs)
+            m_shape = jax.eval_shape(lambda: grads_of(state.params, state.rest, first, frozen_model, sub)[1])
+            zeros_g = jax.tree.map(jnp.zeros_like, state.params)
+            zeros_m = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), m_shape)
+            (grads, metrics, rest), _ = jax.lax.scan(
+                body, (zeros_g, zeros_m, state.rest), (mbs, jnp.arange(micro_batches)))
+        denom = jnp.maximum(metrics["denom"], 1e-9)
+        grads = jax.tree.map(lambda g: g / denom, grads)
+        out = {k: v / denom for k, v in metrics.items() if k != "denom"}
+        out["denom"] = metrics["denom"]
+        out["grad_norm"] = optax.global_norm(grads)
+        if schedule is not None:
+            out["lr"] = schedule(state.step)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = TrainState(step=state.step + 1, params=params, rest=rest, opt_state=opt_state, rng=rng)
+        return new, out
+
+    return jax.jit(step, donate_argnums=0)
