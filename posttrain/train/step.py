@@ -89,7 +89,7 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         grads = jax.tree.map(lambda g: g / denom, grads)
         out = {k: v / denom for k, v in metrics.items() if k != "denom"}
         out["denom"] = metrics["denom"]
-        out["grad_norm"] = optax.global_norm(grads)
+        out["grad_norm"] = optax.tree.norm(grads)
         if schedule is not None:
             out["lr"] = schedule(state.step)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
