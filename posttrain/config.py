@@ -249,8 +249,9 @@ class ModelSection:
     path: str | None = None  # local HF checkpoint folder (config.json + safetensors); default None
     preset: str | None = None  # or a named preset, randomly initialised (tests, demo); default None
     tokenizer: str | None = None  # folder; None = model path, or the byte tokenizer with a preset
-    dtype: str = "float32"  # parameter dtype; default "float32"
-    compute_dtype: str | None = None  # activation dtype; None = dtype, "bfloat16" for mixed precision
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # parameter dtype; default "float32"
+    # activation dtype; None = dtype, "bfloat16" for mixed precision
+    compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     remat: bool = False  # rematerialise each layer in the backward pass (less memory, ~30% more compute)
     seed: int = 0  # PRNG seed for preset initialisation; default 0
 
@@ -274,6 +275,12 @@ class DataSection:
     skip_bad_rows: bool = False  # skip malformed rows with a warning instead of raising
     shuffle: bool = True  # shuffle rows every epoch; default true
     seed: int = 0  # shuffle seed; default 0
+
+    def __post_init__(self):
+        if self.max_length < 2:
+            raise PosttrainError(f"data.max_length must be >= 2, got {self.max_length}")
+        if not 0 <= self.seed < 2**32:
+            raise PosttrainError(f"data.seed must be in [0, 2**32), got {self.seed}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -332,6 +339,9 @@ class TrainSection:
         for name in ("steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise PosttrainError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("log_every", "eval_every", "save_every"):
+            if getattr(self, name) < 0:
+                raise PosttrainError(f"train.{name} must be >= 0 (0 = off), got {getattr(self, name)}")
         micro = self.micro_batch_size
         if micro is not None and (micro < 1 or self.batch_size % micro):
             raise PosttrainError(f"train.micro_batch_size ({micro}) must divide train.batch_size "

@@ -107,8 +107,6 @@ def test_missing_config_file_exits_2(tmp_path, capsys):
     assert_user_error(rc, capsys, run_dir, "cannot read config file", str(tmp_path / "nope.yaml"))
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: data.seed is validated only in pipeline.batches(), "
-                   "which SFTTrainer.train() calls after creating run_dir and writing config.yaml")
 @pytest.mark.parametrize("seed", ["-1", "4294967296"])
 def test_out_of_range_data_seed_leaves_no_run_folder(tmp_path, capsys, seed):
     cfg = write_config(tmp_path, PROMPT_COMPLETION)
@@ -116,8 +114,6 @@ def test_out_of_range_data_seed_leaves_no_run_folder(tmp_path, capsys, seed):
     assert_user_error(sft(cfg, run_dir, f"data.seed={seed}"), capsys, run_dir, "seed", seed)
 
 
-@pytest.mark.xfail(strict=True, reason="product bug: model.dtype is an unchecked str; an unknown dtype "
-                   "escapes as a numpy TypeError with a traceback instead of a PosttrainError")
 def test_unknown_model_dtype_exits_2(tmp_path, capsys):
     cfg = write_config(tmp_path, PROMPT_COMPLETION)
     run_dir = tmp_path / "run"

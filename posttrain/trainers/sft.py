@@ -76,7 +76,13 @@ class SFTTrainer:
             self.eval_examples, _ = load_examples(c.data.eval, self.tokenizer, max_length=c.data.max_length,
                                                   truncation=c.data.truncation, skip_bad_rows=c.data.skip_bad_rows,
                                                   **fmt)
+        if c.train.eval_every and not c.data.eval:
+            raise PosttrainError("train.eval_every is set but data.eval is not; give data.eval=FILE or set "
+                                 "train.eval_every=0")
         self.model = build_model(c.model, self.tokenizer, c.lora)
+        if c.data.max_length > self.model.cfg.max_position:
+            raise PosttrainError(f"data.max_length={c.data.max_length} exceeds the model's maximum position "
+                                 f"{self.model.cfg.max_position}; lower data.max_length")
         self.trainable = LoraParam if c.lora.enabled else nnx.Param
         if os.path.exists(os.path.join(c.run_dir, WEIGHTS)):
             raise PosttrainError(f"run_dir {c.run_dir} already holds a finished run; choose a new run_dir "
