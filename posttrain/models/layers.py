@@ -146,7 +146,9 @@ class Attention(nnx.Module):
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt))
-        y = jnp.einsum("btkgh,kghd->btd", out, self.o[...].astype(dt))
+        b, t = out.shape[:2]  # one 2-D matmul: lets XLA keep the weight's layout (no per-call transpose)
+        o = self.o[...].astype(dt)
+        y = out.reshape(b, t, -1) @ o.reshape(-1, o.shape[-1])
         if (d := lora_update(self, "o", out, 3)) is not None:
             y = y + d
         attn = None
