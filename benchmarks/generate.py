@@ -17,9 +17,10 @@ from common import ensure_checkpoint, med, parse_args, write  # noqa: E402
 
 args = parse_args()
 
-import posttrain  # noqa: E402,F401  (first: sets the CPU XLA defaults before JAX starts)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+
+import posttrain  # noqa: E402,F401  (first: sets the CPU XLA defaults before JAX starts)
 from posttrain.generate import Sampler, SamplingParams  # noqa: E402
 from posttrain.models import from_pretrained  # noqa: E402
 

@@ -20,12 +20,12 @@ from common import ensure_checkpoint, med, parse_args, write  # noqa: E402
 args = parse_args([(("--steps",), dict(type=int, default=5)), (("--profile",), dict(default=None)),
                    (("--micro",), dict(type=int, default=1))])
 
-import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
 from posttrain.losses import sft_loss  # noqa: E402
 from posttrain.models import count_params, from_pretrained  # noqa: E402
 from posttrain.train import init_state, make_train_step  # noqa: E402

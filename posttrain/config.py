@@ -332,14 +332,16 @@ class TrainSection:
     micro_batch_size: int | None = None  # sequences per forward/backward; None = batch_size
     log_every: int = 10  # steps between metric logs; default 10
     eval_every: int = 0  # steps between evaluations; 0 = off; default 0
-    save_every: int = 0  # steps between checkpoints; 0 = only at the end; default 0
     seed: int = 0  # PRNG seed for dropout and sampling; default 0
+    max_nonfinite: int = 3  # halt after this many non-finite (NaN/Inf) steps in a row; each is skipped
 
     def __post_init__(self):
         for name in ("steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise PosttrainError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("log_every", "eval_every", "save_every"):
+        if self.max_nonfinite < 1:
+            raise PosttrainError(f"train.max_nonfinite must be >= 1, got {self.max_nonfinite}")
+        for name in ("log_every", "eval_every"):
             if getattr(self, name) < 0:
                 raise PosttrainError(f"train.{name} must be >= 0 (0 = off), got {getattr(self, name)}")
         micro = self.micro_batch_size
@@ -350,10 +352,54 @@ class TrainSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointSection:
+    every: int = 0  # steps between checkpoints; 0 = only at the end; default 0
+    keep: int = 2  # newest checkpoints kept on disk; default 2
+    async_save: bool = True  # write checkpoints in the background while training continues
+    resume: bool = True  # re-running the same command continues from the latest valid checkpoint
+
+    def __post_init__(self):
+        if self.every < 0:
+            raise PosttrainError(f"checkpoint.every must be >= 0 (0 = only at the end), got {self.every}")
+        if self.keep < 1:
+            raise PosttrainError(f"checkpoint.keep must be >= 1, got {self.keep}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MetricsSection:
+    # Where metrics go: any of console, jsonl, tensorboard, prometheus.
+    sinks: tuple[str, ...] = ("console", "jsonl")
+    prometheus_host: str = "127.0.0.1"  # the exporter binds here (loopback unless you change it)
+    prometheus_port: int = 9400  # HTTP port of the Prometheus exporter; 0 = pick a free port
+    peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = measured once on CPU
+
+    def __post_init__(self):
+        bad = set(self.sinks) - {"console", "jsonl", "tensorboard", "prometheus"}
+        if bad:
+            raise PosttrainError(f"metrics.sinks: unknown sink(s) {sorted(bad)}; choose from console, jsonl, "
+                                 "tensorboard, prometheus")
+        if not 0 <= self.prometheus_port < 65536:
+            raise PosttrainError(f"metrics.prometheus_port must be in [0, 65535], got {self.prometheus_port}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProfileSection:
+    start_step: int = 0  # first profiled step; 0 = profiler off
+    num_steps: int = 3  # steps traced into <run_dir>/profile
+
+    def __post_init__(self):
+        if self.start_step < 0 or self.num_steps < 1:
+            raise PosttrainError("profile.start_step must be >= 0 and profile.num_steps >= 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
     model: ModelSection  # which model to fine-tune (required)
     data: DataSection  # training data (required)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)  # AdamW + lr schedule
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)  # adapters; off by default
     train: TrainSection = dataclasses.field(default_factory=TrainSection)  # steps, batch, logging
+    checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)  # save / resume
+    metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)  # metric sinks, MFU
+    profile: ProfileSection = dataclasses.field(default_factory=ProfileSection)  # JAX profiler window
     run_dir: str = "runs/sft"  # folder for checkpoints, logs and the saved config; default runs/sft

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-
 from hf_models import FAMILIES
+
 from posttrain.models import KVCache, Transformer, count_params, from_pretrained, preset, save_pretrained
 
 B, T = 3, 11
@@ -105,7 +105,8 @@ def test_left_padding_and_packing_match_unpadded(hf_checkpoints):
     packed = np.concatenate([a, b])
     seg = np.concatenate([np.ones(6, int), 2 * np.ones(5, int)])
     pos = np.concatenate([np.arange(6), np.arange(5)])
-    out = np.asarray(model(jnp.asarray(packed[None]), jnp.asarray(pos[None]), segment_ids=jnp.asarray(seg[None])).logits)
+    out = model(jnp.asarray(packed[None]), jnp.asarray(pos[None]), segment_ids=jnp.asarray(seg[None]))
+    out = np.asarray(out.logits)
     np.testing.assert_allclose(out[0, :6], alone(a), atol=1e-5)
     np.testing.assert_allclose(out[0, 6:], alone(b), atol=1e-5)
 

@@ -234,15 +234,20 @@ def test_tiny_run_writes_run_folder(tiny_run):
     assert saved["model"]["preset"] == "demo-tiny" and saved["run_dir"] == str(tiny_run)
 
 
-def test_rerun_into_finished_run_dir_exits_2(tiny_run, capsys):
+def test_rerun_of_finished_run_is_a_no_op(tiny_run, capsys):
     before = sorted(os.listdir(tiny_run))
     mtime = (tiny_run / "trainable.safetensors").stat().st_mtime_ns
     rc = sft(TINY_CONFIG, tiny_run, f"data.train={PROMPT_COMPLETION}", *FAST)
-    _, err = capsys.readouterr()
-    assert rc == 2 and err.startswith("posttrain: error:") and "Traceback" not in err
-    assert str(tiny_run) in err and "already holds a finished run" in err
+    out, err = capsys.readouterr()
+    assert rc == 0 and "already finished" in out and "Traceback" not in err
     assert sorted(os.listdir(tiny_run)) == before
     assert (tiny_run / "trainable.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_rerun_with_a_different_config_exits_2(tiny_run, capsys):
+    rc = sft(TINY_CONFIG, tiny_run, f"data.train={PROMPT_COMPLETION}", *FAST, "optim.lr=0.5")
+    _, err = capsys.readouterr()
+    assert rc == 2 and "different config" in err and "checkpoint.resume=false" in err
 
 
 def test_export_of_tiny_run_loads(tiny_run, tmp_path, capsys):

@@ -94,7 +94,8 @@ def load_examples(
             if truncation == "error":
                 raise PosttrainError(
                     f"{where}: the row is {len(ids)} tokens long, more than max_length={max_length}; raise "
-                    f"max_length, or set truncation to 'keep_start', 'keep_end' or 'drop' (policies: {', '.join(TRUNCATION)})"
+                    f"max_length, or set truncation to 'keep_start', 'keep_end' or 'drop' "
+                    f"(policies: {', '.join(TRUNCATION)})"
                 )
             if truncation == "drop":
                 counts["dropped"] += 1

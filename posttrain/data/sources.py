@@ -23,7 +23,8 @@ from posttrain.errors import PosttrainError
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
-ACCEPTED = "a .jsonl/.json file (one JSON object per line), a .parquet file, or a folder written by datasets' save_to_disk"
+ACCEPTED = ("a .jsonl/.json file (one JSON object per line), a .parquet file, or a folder written by "
+            "datasets' save_to_disk")
 
 OnBadRow = Callable[[PosttrainError], None]
 

@@ -127,10 +127,11 @@ class Sampler:
         raise PosttrainError(f"prompt of {length} tokens is longer than the sampler allows ({self.buckets[-1]}); "
                              "shorten it or build the Sampler with a larger max_len")
 
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(), *,
+    def generate(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None, *,
                  key: Optional[jax.Array] = None, stop_ids: Optional[Sequence[Sequence[int]]] = None,
                  max_new_tokens: Optional[Sequence[int]] = None) -> Completions:
         """Continue each prompt (token ids). stop_ids / max_new_tokens optionally differ per prompt."""
+        params = SamplingParams() if params is None else params
         if not prompts:
             raise PosttrainError("generate: no prompts given")
         for i, p in enumerate(prompts):

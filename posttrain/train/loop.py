@@ -1,22 +1,22 @@
 """The one training loop: steps the jitted train step and fires hooks every N steps.
 
-What it is: the only place that iterates training. Logging (console progress bar + JSONL
-metrics), evaluation and checkpointing are hooks `(step, state, metrics) -> None` that run
-outside the jitted step, every `hook.every` steps and at the last step. Device metrics are
-fetched only on logging steps, so ordinary steps never wait for the host.
+What it is: the only place that iterates training. Logging (progress bar + metric sinks such
+as JSONL, TensorBoard, Prometheus), evaluation, checkpointing and profiling run outside the
+jitted step. Device metrics are fetched only on logging steps; the non-finite counter of step
+k - 1 is read after step k is dispatched, so the device never waits for the host.
 What it is not: a trainer recipe (see `posttrain.trainers`).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import jax
 import numpy as np
 from tqdm import tqdm
+
+from posttrain.errors import PosttrainError
 
 
 class Hook:
@@ -36,39 +36,56 @@ class FnHook(Hook):
         self.fn(step, state, metrics)
 
 
-def train_loop(step_fn, state, batches: Iterable[dict], *, steps: int, start_step: int = 0,
-               log_every: int = 10, metrics_path: Optional[str] = None, hooks: Sequence[Hook] = (),
-               progress: bool = True, frozen=None):
-    """Run steps start_step+1 .. steps; returns (state, history of logged metric dicts)."""
+def _check_finite(metrics, step: int, max_nonfinite: int) -> None:
+    run = int(metrics["nonfinite_run"]) if "nonfinite_run" in metrics else 0
+    if run >= max_nonfinite:
+        raise PosttrainError(
+            f"training halted at step {step}: loss or gradient was NaN/Inf in {run} consecutive steps (each "
+            "update was skipped, so the weights and the last checkpoint are intact). Lower optim.lr, check the "
+            "data, or raise train.max_nonfinite")
+
+
+def train_loop(step_fn, state, batches: Iterator[dict], *, steps: int, start_step: int = 0,
+               log_every: int = 10, sinks: Sequence = (), hooks: Sequence[Hook] = (), progress: bool = True,
+               frozen=None, max_nonfinite: int = 3, profiler=None, extra_metrics: Optional[Callable] = None):
+    """Run steps start_step+1 .. steps; returns (state, history of logged metric dicts).
+
+    extra_metrics(m) -> dict adds host-side figures (MFU, memory) to each logged record.
+    """
     it = iter(batches)
     history = []
     bar = tqdm(total=steps, initial=start_step, disable=not progress, dynamic_ncols=True, unit="step")
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+    prev = None
     for step in range(start_step + 1, steps + 1):
         batch = next(it)
         window_tokens += int(np.count_nonzero(batch["segment_ids"])) if "segment_ids" in batch else 0
+        if profiler is not None:
+            profiler.before_step(step)
         state, metrics = step_fn(state, batch) if frozen is None else step_fn(state, batch, frozen)
+        if profiler is not None:
+            profiler.after_step(step, metrics)
+        if prev is not None:
+            _check_finite(prev, step - 1, max_nonfinite)
+        prev = metrics
         window_steps += 1
         last = step == steps
         if (log_every and step % log_every == 0) or last:
             m = {k: float(v) for k, v in jax.device_get(metrics).items()}
             elapsed = time.perf_counter() - window_start
             m.update(step=step, tokens_per_s=window_tokens / elapsed, step_time_s=elapsed / window_steps)
+            if extra_metrics is not None:
+                m.update(extra_metrics(m))
             history.append(m)
-            if metrics_path:
-                with open(metrics_path, "a") as fh:
-                    fh.write(json.dumps(m) + "\n")
+            for sink in sinks:
+                sink.write(step, {k: v for k, v in m.items() if k != "step"})
             bar.set_postfix(loss=f"{m.get('loss', float('nan')):.4f}", tok_s=f"{m['tokens_per_s']:.0f}")
             window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
+        if last:
+            _check_finite(metrics, step, max_nonfinite)
         for h in hooks:
             if (h.every and step % h.every == 0) or last:
                 h(step, state, history[-1] if history else {})
         bar.update(1)
     bar.close()
     return state, history
-
-
-def append_jsonl(path: str, record: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "a") as fh:
-        fh.write(json.dumps(record) + "\n")

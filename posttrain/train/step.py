@@ -9,11 +9,16 @@ Gradient accumulation: with `micro_batches = M` the batch [B, ...] is viewed as 
 and a `lax.scan` sums each micro-batch's loss total and gradient; both are divided by the summed
 denominator at the end (losses return sums; see `posttrain.losses`), so M micro-batches give the
 full-batch gradient exactly (token-weighted), whatever the padding in each micro-batch.
+
+Non-finite guard: when the loss or the gradient norm is NaN/Inf the step keeps the previous
+parameters and optimizer state (the update is skipped), reports `skipped = 1`, and counts
+consecutive such steps in `state.nonfinite`; the loop halts the run after too many in a row.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import jax
@@ -30,6 +35,7 @@ class TrainState:
     rest: nnx.State  # everything else of the model (frozen weights, RNG counters)
     opt_state: optax.OptState
     rng: jax.Array  # PRNG key for dropout / sampling inside the loss
+    nonfinite: jax.Array  # int32: consecutive steps whose loss or gradient was NaN/Inf (update skipped)
 
 
 def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, *, trainable=nnx.Param,
@@ -37,7 +43,8 @@ def init_state(model: nnx.Module, optimizer: optax.GradientTransformation, *, tr
     """(graphdef, TrainState) for `model`; `trainable` is an NNX filter (nnx.Param, LoraParam, ...)."""
     graphdef, params, rest = nnx.split(model, trainable, ...)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, rest=rest,
-                       opt_state=optimizer.init(params), rng=jax.random.key(seed))
+                       opt_state=optimizer.init(params), rng=jax.random.key(seed),
+                       nonfinite=jnp.zeros((), jnp.int32))
     return graphdef, state
 
 
@@ -94,7 +101,15 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
             out["lr"] = schedule(state.step)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new = TrainState(step=state.step + 1, params=params, rest=rest, opt_state=opt_state, rng=rng)
+        # Non-finite guard: a NaN/Inf loss or gradient keeps the old weights and optimizer state.
+        ok = jnp.isfinite(out["grad_norm"]) & jnp.isfinite(metrics["loss"] if "loss" in metrics else denom)
+        keep = functools.partial(jax.tree.map, lambda new, old: new if jnp.issubdtype(
+            new.dtype, jax.dtypes.prng_key) else jnp.where(ok, new, old))
+        nonfinite = jnp.where(ok, 0, state.nonfinite + 1).astype(jnp.int32)
+        out["skipped"] = 1.0 - ok.astype(jnp.float32)
+        out["nonfinite_run"] = nonfinite
+        new = TrainState(step=state.step + 1, params=keep(params, state.params), rest=keep(rest, state.rest),
+                         opt_state=keep(opt_state, state.opt_state), rng=rng, nonfinite=nonfinite)
         return new, out
 
     return jax.jit(step, donate_argnums=0)

@@ -4,13 +4,18 @@
 model (every user error is raised before the run folder is created, so a bad config leaves
 nothing half-written), optionally attaches LoRA adapters (then only they train), trains, and
 writes into `run_dir`: config.yaml, metrics.jsonl, and the trained weights
-(`trainable.safetensors`: the adapters only with LoRA). `export_run(run_dir, out)` turns a run
-into a Hugging Face folder (LoRA merged).
+(`trainable.safetensors`: the adapters only with LoRA), plus Orbax checkpoints under
+`checkpoints/` (every `checkpoint.every` steps and at the end). Re-running the same command
+resumes exactly from the newest readable checkpoint (weights, optimizer, PRNG and the data
+iterator's position); `checkpoint.resume=false` starts afresh. `export_run(run_dir, out)` turns a
+run into a Hugging Face folder (LoRA merged).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import time
 from typing import Optional
 
@@ -27,7 +32,9 @@ from posttrain.models import Transformer, count_params, from_pretrained, preset,
 from posttrain.models.lora import LoraParam, apply_lora, merge_lora, trainable_fraction
 from posttrain.tokenizer import Tokenizer, byte_tokenizer
 from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule, train_loop
+from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.loop import FnHook
+from posttrain.train.metrics import Profiler, make_sinks, memory_stats, model_flops_per_token, peak_flops
 from posttrain.train.serialize import load_state, save_state
 
 WEIGHTS = "trainable.safetensors"
@@ -84,9 +91,7 @@ class SFTTrainer:
             raise PosttrainError(f"data.max_length={c.data.max_length} exceeds the model's maximum position "
                                  f"{self.model.cfg.max_position}; lower data.max_length")
         self.trainable = LoraParam if c.lora.enabled else nnx.Param
-        if os.path.exists(os.path.join(c.run_dir, WEIGHTS)):
-            raise PosttrainError(f"run_dir {c.run_dir} already holds a finished run; choose a new run_dir "
-                                 "(run_dir=...) or delete the folder")
+        self.loss_fn = sft_loss
 
     def eval_loss(self, graphdef, state) -> float:
         arrays = to_arrays(self.eval_examples, self.config.data.max_length, self.tokenizer.pad_id,
@@ -99,37 +104,97 @@ class SFTTrainer:
             total, denom = total + float(t), denom + float(m["denom"])
         return total / max(denom, 1.0)
 
+    def _prepare_run_dir(self) -> None:
+        """Fresh start, or check that the folder holds this same run (to resume it)."""
+        c = self.config
+        saved = os.path.join(c.run_dir, "config.yaml")
+        if os.path.isfile(saved) and c.checkpoint.resume:
+            before = C.to_dict(C.load(C.SFTConfig, saved))
+            now = C.to_dict(c)
+            before.pop("checkpoint", None)
+            now.pop("checkpoint", None)
+            if before != now:
+                diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+                raise PosttrainError(f"{saved}: run_dir holds a run with a different config (sections {diff}); "
+                                     "use a new run_dir, or checkpoint.resume=false to start this one afresh")
+        elif os.path.isdir(c.run_dir) and not c.checkpoint.resume:
+            for name in ("checkpoints", "metrics.jsonl", WEIGHTS, "tensorboard", "profile"):
+                path = os.path.join(c.run_dir, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+        os.makedirs(c.run_dir, exist_ok=True)
+        C.save(c, saved)
+
     def train(self) -> dict:
         c, tok = self.config, self.tokenizer
         t0 = time.perf_counter()
-        os.makedirs(c.run_dir, exist_ok=True)
-        C.save(c, os.path.join(c.run_dir, "config.yaml"))
+        self._prepare_run_dir()
         metrics_path = os.path.join(c.run_dir, "metrics.jsonl")
         n_params = count_params(self.model)
         frac = trainable_fraction(self.model) if c.lora.enabled else 1.0
-        print(f"[sft] {len(self.train_examples)} examples ({self.data_stats}), {n_params:,} parameters, "
-              f"trainable {frac:.2%}")
         optimizer = make_optimizer(c.optim, c.train.steps)
         graphdef, state = init_state(self.model, optimizer, trainable=self.trainable, seed=c.train.seed)
         micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)
-        step = make_train_step(sft_loss, optimizer, graphdef, micro_batches=micro,
+        step = make_train_step(self.loss_fn, optimizer, graphdef, micro_batches=micro,
                                schedule=schedule(c.optim, c.train.steps), trainable=self.trainable)
-        data = batches(self.train_examples, batch_size=c.train.batch_size, seq_len=c.data.max_length,
-                       pad_id=tok.pad_id, packing=c.data.packing, seed=c.data.seed, shuffle=c.data.shuffle)
-        hooks = []
+        data = iter(batches(self.train_examples, batch_size=c.train.batch_size, seq_len=c.data.max_length,
+                            pad_id=tok.pad_id, packing=c.data.packing, seed=c.data.seed, shuffle=c.data.shuffle))
+        ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), keep=c.checkpoint.keep,
+                            async_save=c.checkpoint.async_save)
+        start = 0
+        restored = ckpt.restore_latest(state) if c.checkpoint.resume else None
+        if restored is not None:
+            start, state, data_state, _ = restored
+            data.set_state(data_state["iterator"])
+            print(f"[sft] resuming {c.run_dir} from the checkpoint at step {start}")
+        _truncate_jsonl(metrics_path, start)  # a killed attempt may have logged past its last checkpoint
+        print(f"[sft] {len(self.train_examples)} examples ({self.data_stats}), {n_params:,} parameters, "
+              f"trainable {frac:.2%}")
         result: dict = {}
+        if start >= c.train.steps:
+            ckpt.close()
+            print(f"[sft] {c.run_dir} already finished ({start} steps); nothing to do")
+            self.model = merge(graphdef, state)
+            return {"step": start, "finished": True, "seconds": time.perf_counter() - t0}
+
+        sinks = make_sinks(c.metrics, c.run_dir)
+        hooks = []
         if self.eval_examples is not None:
             def evaluate(step_no, st, _m):
                 loss = self.eval_loss(graphdef, st)
                 result["eval_loss"] = loss
-                with open(metrics_path, "a") as fh:
-                    fh.write(f'{{"step": {step_no}, "eval_loss": {loss}}}\n')
+                for sink in sinks:
+                    sink.write(step_no, {"eval_loss": loss})
 
             hooks.append(FnHook(c.train.eval_every, evaluate))
-        if c.train.save_every:
-            hooks.append(FnHook(c.train.save_every, lambda s, st, m: save_state(st.params, self._weights())))
-        state, history = train_loop(step, state, data, steps=c.train.steps, log_every=c.train.log_every,
-                                    metrics_path=metrics_path, hooks=hooks, progress=self.progress)
+
+        def save(step_no, st, _m):
+            if int(st.nonfinite) == 0:  # never checkpoint in the middle of a run of skipped (NaN) steps
+                ckpt.save(step_no, st, {"iterator": data.get_state()})
+
+        hooks.append(FnHook(c.checkpoint.every, save))  # also after the last step
+        flops = model_flops_per_token(self.model.cfg, c.data.max_length)
+        peak = peak_flops(c.metrics)
+
+        def extra(m):
+            return {"mfu": flops * m["tokens_per_s"] / peak, **memory_stats()}
+
+        profiler = None
+        if c.profile.start_step:
+            profiler = Profiler(c.profile.start_step, c.profile.num_steps, os.path.join(c.run_dir, "profile"))
+        try:
+            state, history = train_loop(step, state, data, steps=c.train.steps, start_step=start,
+                                        log_every=c.train.log_every, sinks=sinks, hooks=hooks,
+                                        progress=self.progress and "console" in c.metrics.sinks,
+                                        max_nonfinite=c.train.max_nonfinite, profiler=profiler, extra_metrics=extra)
+        finally:
+            ckpt.close()  # waits for an asynchronous save in flight
+            for sink in sinks:
+                sink.close()
+            if profiler is not None:
+                profiler.close()
         save_state(state.params, self._weights())
         self.model = merge(graphdef, state)
         result.update(history[-1] if history else {})
@@ -138,6 +203,18 @@ class SFTTrainer:
 
     def _weights(self) -> str:
         return os.path.join(self.config.run_dir, WEIGHTS)
+
+
+def _truncate_jsonl(path: str, last_step: int) -> None:
+    """Drop records logged after `last_step` (a killed run logged them; the resumed run logs them again)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as fh:
+        keep = [ln for ln in fh if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.writelines(keep)
+    os.replace(tmp, path)
 
 
 def load_run(run_dir: str):

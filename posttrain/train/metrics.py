@@ -1,0 +1,296 @@
+"""Metric sinks, the JAX profiler window, and MFU / memory figures for the training loop.
+
+What it is: (1) sinks sharing one interface, `write(step, metrics)` and `close()`: JSONL file,
+TensorBoard (tensorboardX) and a Prometheus exporter; `make_sinks` builds the configured ones;
+(2) `Profiler`, which traces a window of steps with `jax.profiler` into a TensorBoard-readable
+folder; (3) model FLOPs per token (for MFU), a measured matmul peak, live device memory, and an
+up-front estimate of training memory (params, gradients, optimizer, activations, logits).
+What it is not: the progress bar ("console" is the loop's tqdm bar, so it has no sink object),
+a metrics aggregator (sinks write exactly the dict they get), or an exact memory planner: the
+activation estimate is an order-of-magnitude guide, not XLA's buffer assignment.
+References: MFU as in PaLM (Chowdhery et al. 2022, appendix B); Prometheus text exposition.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import time
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GiB = 1024**3
+
+
+class Sink(Protocol):
+    def write(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+# ----------------------------------------------------------------------------- sinks
+
+
+class JsonlSink:
+    """Appends {"step": step, **metrics} as one JSON line per write (append: a resumed run continues
+    the same file). Non-finite values are written as NaN/Infinity, which Python's json reads back;
+    a NaN loss is information worth keeping, not something to drop."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()  # a crash or kill keeps every line already logged
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardSink:
+    """One scalar per metric name in a tensorboardX event file under `logdir`."""
+
+    def __init__(self, logdir: str | os.PathLike):
+        from tensorboardX import SummaryWriter  # imported lazily: only runs that ask for it pay
+
+        self.writer = SummaryWriter(os.fspath(logdir))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, float(value), int(step))
+        self.writer.flush()  # log steps are seconds apart; flushing makes TensorBoard live
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _prom_name(name: str) -> str:
+    return "posttrain_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+
+class PrometheusSink:
+    """A Prometheus exporter: one gauge per metric (`posttrain_<name>`) plus `posttrain_step`.
+
+    Each sink owns its CollectorRegistry rather than the process-global one, so two runs (or
+    tests) in one process do not collide on gauge names. `port=0` binds a free port; the bound
+    port is `.port`.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 9400):
+        import prometheus_client
+
+        self.registry = prometheus_client.CollectorRegistry(auto_describe=True)
+        self._gauge_cls = prometheus_client.Gauge
+        self._gauges: dict[str, object] = {}
+        # prometheus_client >= 0.20 returns (server, thread); keep both to shut down cleanly.
+        self._server, self._thread = prometheus_client.start_http_server(port, addr=host,
+                                                                         registry=self.registry)
+        self.host, self.port = host, int(self._server.server_port)
+        self._step = self._gauge("step")
+
+    def _gauge(self, name: str):
+        full = _prom_name(name)
+        if full not in self._gauges:  # lazily: the metric names are known only at the first write
+            self._gauges[full] = self._gauge_cls(full, f"posttrain metric {name}", registry=self.registry)
+        return self._gauges[full]
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self._gauge(name).set(float(value))
+        self._step.set(int(step))
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()  # stops serve_forever in the daemon thread
+            self._server.server_close()  # releases the port for the next run
+            self._thread.join(timeout=5)
+            self._server = None
+
+
+def make_sinks(section, run_dir: str | os.PathLike, *, is_main_process: bool = True) -> list:
+    """Sinks named in `section.sinks` (a MetricsSection). Only process 0 logs: other processes of
+    a multi-host run get none, so files are not written N times nor ports bound N times."""
+    if not is_main_process:
+        return []
+    run_dir = os.fspath(run_dir)
+    sinks: list = []
+    for name in section.sinks:
+        if name == "jsonl":
+            sinks.append(JsonlSink(os.path.join(run_dir, "metrics.jsonl")))
+        elif name == "tensorboard":
+            sinks.append(TensorBoardSink(os.path.join(run_dir, "tensorboard")))
+        elif name == "prometheus":
+            sinks.append(PrometheusSink(section.prometheus_host, section.prometheus_port))
+        # "console" is the loop's progress bar: nothing to build here.
+    return sinks
+
+
+# ----------------------------------------------------------------------------- profiler
+
+
+class Profiler:
+    """Traces steps start_step .. start_step+num_steps-1 with `jax.profiler` into `logdir`
+    (open with TensorBoard's profile plugin or Perfetto). start_step = 0 turns it off.
+
+    The trace stops only after the window's last step has finished on the device (block on its
+    output), otherwise asynchronous dispatch would cut the traced work short.
+    """
+
+    def __init__(self, start_step: int, num_steps: int, logdir: str | os.PathLike):
+        self.start, self.stop = int(start_step), int(start_step) + int(num_steps) - 1
+        self.logdir = os.fspath(logdir)
+        self.active = False
+
+    def before_step(self, step: int) -> None:
+        if self.start > 0 and step == self.start and not self.active:
+            jax.profiler.start_trace(self.logdir)
+            self.active = True
+
+    def after_step(self, step: int, sync_value) -> None:
+        if self.active and step >= self.stop:
+            jax.block_until_ready(sync_value)
+            self.close()
+
+    def close(self) -> None:
+        """Stop an open trace (training ended inside the window, or an error unwound the loop)."""
+        if self.active:
+            self.active = False
+            jax.profiler.stop_trace()
+
+
+# ----------------------------------------------------------------------------- FLOPs and MFU
+
+
+def model_flops_per_token(cfg, seq_len: int, *, training: bool = True) -> float:
+    """Model FLOPs per token of a decoder-only Transformer (counts matmuls only, as MFU does).
+
+    With D embed, L layers, N query heads, K kv heads, H head dim, F mlp dim, V vocab, S seq_len:
+      matmuls   = 2 * [L * (D*(N+2K)*H  +  N*H*D  +  3*D*F)  +  D*V]
+                       (q,k,v proj)   (out proj)  (gate,up,down) (LM head; tied or not)
+      attention = 2 * 2 * N * H * S * L   (QK^T and PV against all S keys; causal masking and
+                  sliding windows are ignored, as in the PaLM convention)
+      training  = 3 * forward             (backward costs twice the forward)
+    Norms, RoPE, softmax and embedding lookups are left out: they are not matmuls.
+    """
+    D, L, N, K = cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
+    H, F, V = cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+    matmul = 2 * (L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F) + D * V)
+    attention = 2 * 2 * N * H * seq_len * L
+    forward = float(matmul + attention)
+    return 3 * forward if training else forward
+
+
+@functools.cache
+def measure_peak_flops(n: int = 2048, reps: int = 5) -> float:
+    """Best observed float32 matmul FLOP/s of an n x n jitted matmul on the default device.
+
+    A stand-in for the datasheet peak (set metrics.peak_flops for that): on CPU there is no
+    datasheet figure, and an achieved-matmul peak makes MFU comparable across machines. Cached:
+    measured once per process and size.
+    """
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    f = jax.jit(lambda x, y: x @ y)
+    jax.block_until_ready(f(a, b))  # compile and warm up outside the timing
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        best = min(best, time.perf_counter() - t0)  # min: least disturbed by other processes
+    return 2.0 * n**3 / best
+
+
+def peak_flops(section) -> float:
+    """Per-device peak FLOP/s: `section.peak_flops` when configured, else measured."""
+    return float(section.peak_flops) if section.peak_flops is not None else measure_peak_flops()
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float, num_devices: int = 1) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices used."""
+    return tokens_per_s * flops_per_token / (peak * num_devices)
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def memory_stats() -> dict:
+    """Live memory of the first local device (GPU/TPU), or the host process RSS on CPU, where
+    JAX's allocator reports no statistics."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        stats = None
+    if stats and "bytes_in_use" in stats:
+        return {"device_bytes_in_use": int(stats["bytes_in_use"]),
+                "device_peak_bytes": int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))}
+    import psutil
+
+    return {"host_rss_bytes": int(psutil.Process().memory_info().rss)}
+
+
+def _leaves(tree):
+    from flax import nnx
+
+    if isinstance(tree, nnx.Module):
+        tree = nnx.state(tree, nnx.Param)
+    return jax.tree.leaves(tree)
+
+
+def _tree_bytes(tree) -> int:
+    return int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in _leaves(tree)))
+
+
+def estimate_memory(abstract_params, *, trainable_params, optimizer_slots: int = 2, batch: int,
+                    seq_len: int, cfg, micro_batches: int = 1, remat: bool = False) -> dict:
+    """Bytes a training step needs, by part, per model replica (before sharding).
+
+    abstract_params: the model (an nnx.Module, e.g. from `nnx.eval_shape`) or a pytree of arrays or
+    ShapeDtypeStructs; trainable_params: a pytree likewise, or a count (its gradients then take
+    `cfg.param_dtype`). Parts:
+      params      every parameter at its own dtype
+      gradients   trainable parameters at their dtype
+      optimizer   optimizer_slots float32 copies of the trainable parameters (AdamW: mu, nu)
+      activations saved for the backward pass, for one micro-batch of T = batch/micro_batches*seq_len
+                  tokens. Per layer per token, with itemsize s of cfg.dtype:
+                    s * (6*D + 2*(N+2K)*H + 3*F)   norms/residuals (~6 D-vectors), q,k,v and the
+                                                   attention output, gate/up/activated MLP
+                    + 2 * N * seq_len * 4          float32 attention scores and probabilities
+                  times L layers. With remat only one layer is live in the backward pass, plus each
+                  layer's input (s * D per layer per token) kept as the checkpoint.
+      logits      T * V * 4 * 2                    float32 logits and their gradient
+    """
+    D, L, N, K = cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
+    H, F, V = cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
+    s = np.dtype(jnp.dtype(cfg.dtype)).itemsize
+    if isinstance(trainable_params, (int, np.integer)):
+        n_train = int(trainable_params)
+        grads = n_train * np.dtype(jnp.dtype(cfg.param_dtype)).itemsize
+    else:
+        n_train = int(sum(int(np.prod(x.shape)) for x in _leaves(trainable_params)))
+        grads = _tree_bytes(trainable_params)
+    tokens = -(-batch // micro_batches) * seq_len  # ceil: a partial micro-batch still needs room
+    per_layer = s * (6 * D + 2 * (N + 2 * K) * H + 3 * F) + 2 * N * seq_len * 4
+    act_per_token = per_layer + L * s * D if remat else L * per_layer
+    out = {
+        "params": _tree_bytes(abstract_params),
+        "gradients": int(grads),
+        "optimizer": int(optimizer_slots * n_train * 4),
+        "activations": int(tokens * act_per_token),
+        "logits": int(tokens * V * 4 * 2),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def format_memory(d: dict) -> str:
+    """One `name: X.XX GiB` line per entry (byte counts in, human-readable out)."""
+    width = max((len(k) for k in d), default=0) + 1
+    return "\n".join(f"{k + ':':<{width}} {v / GiB:8.2f} GiB" for k, v in d.items())
