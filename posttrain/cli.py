@@ -42,7 +42,9 @@ def _sft(args) -> None:
     from posttrain.trainers.sft import SFTTrainer
 
     result = SFTTrainer(C.load(C.SFTConfig, args.config, args.overrides)).train()
-    print(f"[sft] done: loss {result.get('first_loss')} -> {result.get('loss')} in {result['seconds']:.1f} s")
+    if result.get("finished"):
+        return
+    print(f"[sft] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f} in {result['seconds']:.1f} s")
 
 
 def _export(args) -> None:

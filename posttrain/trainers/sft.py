@@ -34,7 +34,15 @@ from posttrain.tokenizer import Tokenizer, byte_tokenizer
 from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule, train_loop
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.loop import FnHook
-from posttrain.train.metrics import Profiler, make_sinks, memory_stats, model_flops_per_token, peak_flops
+from posttrain.train.metrics import (
+    Profiler,
+    estimate_memory,
+    format_memory,
+    make_sinks,
+    memory_stats,
+    model_flops_per_token,
+    peak_flops,
+)
 from posttrain.train.serialize import load_state, save_state
 
 WEIGHTS = "trainable.safetensors"
@@ -152,6 +160,10 @@ class SFTTrainer:
         _truncate_jsonl(metrics_path, start)  # a killed attempt may have logged past its last checkpoint
         print(f"[sft] {len(self.train_examples)} examples ({self.data_stats}), {n_params:,} parameters, "
               f"trainable {frac:.2%}")
+        estimate = estimate_memory(self.model, trainable_params=state.params, batch=c.train.batch_size,
+                                   seq_len=c.data.max_length, cfg=self.model.cfg, micro_batches=micro,
+                                   remat=c.model.remat)
+        print("[sft] memory estimate per model replica:\n" + format_memory(estimate))
         result: dict = {}
         if start >= c.train.steps:
             ckpt.close()
