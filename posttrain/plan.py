@@ -1,0 +1,158 @@
+"""Per-device memory plan of a training (or sampling) setup, before any array is allocated.
+
+`plan(model_cfg, batch=..., seq_len=..., mesh_shape={...}, preset=...)` returns bytes per device
+for parameters, optimizer state, gradients, activations and the KV cache. Parameter shapes come
+from the model itself (`nnx.eval_shape`: nothing is allocated) and each tensor's bytes are divided
+by the product of the mesh axes that the preset's rules shard it over (the exact placement
+`posttrain.sharding` gives it, indivisible dimensions included). `format_plan` renders the dict
+and warns when the total exceeds a device's memory.
+
+What it is not: XLA's buffer assignment. Parameters, gradients and optimizer state are exact;
+activations are an estimate of the tensors a train step keeps for its backward pass (listed in
+`_activation_bytes`), and XLA's temporaries, fragmentation and the runtime's reserve come on top.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional
+
+import jax.numpy as jnp
+from flax import nnx
+
+from posttrain import sharding as sh
+from posttrain.errors import PosttrainError
+from posttrain.models.config import ModelConfig
+
+KEYS = ("parameters", "optimizer", "gradients", "activations", "kv_cache")
+
+
+def _axis_sizes(mesh_shape: Mapping[str, int]) -> dict:
+    bad = set(mesh_shape) - set(sh.MESH_AXES)
+    if bad:
+        raise PosttrainError(f"plan: mesh_shape names unknown axes {sorted(bad)}; the axes are {sh.MESH_AXES}")
+    sizes = {a: int(mesh_shape.get(a, 1)) for a in sh.MESH_AXES}
+    if any(s <= 0 for s in sizes.values()):
+        raise PosttrainError(f"plan: mesh_shape sizes must be positive, got {dict(mesh_shape)}")
+    return sizes
+
+
+def _abstract_model(cfg: ModelConfig, trainable: str, lora_rank: int, lora_targets):
+    from posttrain.models.transformer import Transformer
+
+    if trainable == "full":
+        return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    if trainable == "lora":
+        from posttrain.models.lora import apply_lora
+
+        return nnx.eval_shape(lambda: apply_lora(Transformer(cfg, rngs=nnx.Rngs(0)), rank=lora_rank,
+                                                 targets=lora_targets))
+    raise PosttrainError(f"plan: trainable must be 'full' or 'lora', got {trainable!r}")
+
+
+def param_bytes_per_device(state, rules: dict, axis_sizes: Mapping[str, int]) -> int:
+    """Bytes one device holds of an (abstract) NNX state placed by `rules`."""
+    total = 0
+    for _, v in nnx.to_flat_state(state):
+        shape = tuple(v.shape)
+        names = v.get_metadata().get("out_sharding")
+        spec = sh.param_spec(names, shape, rules, axis_sizes)
+        total += math.prod(shape) * jnp.dtype(v.dtype).itemsize // sh.spec_axis_product(spec, axis_sizes)
+    return total
+
+
+def _split(n: int, ways: int) -> int:
+    return -(-n // ways)
+
+
+def _activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, t: int, remat: bool) -> int:
+    """Estimate of what a train step keeps for the backward pass on one device.
+
+    rows: sequences on this device; t: the tensor-parallel split of heads, mlp and vocab.
+    Per layer and token (compute dtype): the residual input, two norm outputs, the attention
+    output projection and residual (5 D); qkv, rotated q and k, attention output
+    ((K (G + 2) + 2 N + K) H / t); gate/up, activation and product (4 F / t); per query, the
+    float32 scores and compute-dtype probabilities over seq_len keys (N seq_len / t each).
+    With remat only each layer's input (D) is kept, plus one layer's full set during its backward.
+    The loss head adds float32 logits and their gradient (2 V / t per token) and the embeddings.
+    """
+    D, F, N, K, H = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    cb = jnp.dtype(cfg.dtype).itemsize
+    tokens = rows * seq_len
+    heads = _split((K * (cfg.groups + 2) + 2 * N + K) * H, t)
+    layer = (5 * D + heads + _split(4 * F, t)) * cb + _split(N * seq_len, t) * (4 + cb)
+    layers = cfg.num_layers * D * cb + layer if remat else cfg.num_layers * layer
+    head = 2 * _split(cfg.vocab_size, t) * 4 + D * cb
+    return tokens * (layers + head)
+
+
+def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mapping[str, int], preset: str,
+         trainable: str = "full", optimizer_slots: int = 2, remat: bool = False, kv_cache_tokens: int = 0,
+         lora_rank: int = 8, lora_targets=("qkv", "o", "gate_up", "down")) -> dict:
+    """Bytes per device: parameters, optimizer, gradients, activations, kv_cache and total.
+
+    batch: global sequences per step (split over data x fsdp); seq_len: tokens per sequence.
+    trainable: "full" (every parameter trains) or "lora" (only adapters; the base is frozen and
+    has no gradients or optimizer state). optimizer_slots: state arrays per trainable parameter
+    (AdamW: 2, SGD with momentum: 1). kv_cache_tokens: cached tokens across the whole sampling
+    batch (rows x cache length), 0 for training only. Activations assume no micro-batching (with
+    M micro-batches, divide them by M).
+    """
+    rules = sh.preset_rules(preset)
+    sizes = _axis_sizes(mesh_shape)
+    if batch <= 0 or seq_len <= 0:
+        raise PosttrainError(f"plan: batch and seq_len must be positive, got {batch} and {seq_len}")
+    model = _abstract_model(model_cfg, trainable, lora_rank, lora_targets)
+    params = nnx.state(model, nnx.Param)
+    if trainable == "lora":
+        from posttrain.models.lora import LoraParam
+
+        train = nnx.state(model, LoraParam)
+    else:
+        train = params
+    p_bytes = param_bytes_per_device(params, rules, sizes)
+    t_bytes = param_bytes_per_device(train, rules, sizes)
+
+    batch_ways = sh.spec_axis_product(sh.logical_to_spec(("batch",), rules, axis_sizes=sizes), sizes)
+    tensor = sh.spec_axis_product(sh.logical_to_spec(("mlp",), rules, axis_sizes=sizes), sizes)
+    rows = _split(batch, batch_ways)
+    kv_split = sh.spec_axis_product(
+        sh.logical_to_spec(("kv_heads",), rules, shape=(model_cfg.num_kv_heads,), axis_sizes=sizes), sizes)
+    kv = (2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * jnp.dtype(model_cfg.dtype).itemsize
+          * _split(kv_cache_tokens, batch_ways) // kv_split)
+    out = {
+        "parameters": p_bytes,
+        "optimizer": optimizer_slots * t_bytes,
+        "gradients": t_bytes,
+        "activations": _activation_bytes(model_cfg, rows, seq_len, tensor, remat),
+        "kv_cache": kv,
+    }
+    out["total"] = sum(out[k] for k in KEYS)
+    out.update(preset=preset, mesh_shape=sizes, devices=math.prod(sizes.values()), rows_per_device=rows,
+               trainable=trainable, remat=remat)
+    return out
+
+
+def _gib(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_plan(d: dict, device_bytes: Optional[int] = None) -> str:
+    """The plan as aligned lines; a WARNING line when the total exceeds `device_bytes`."""
+    mesh = " x ".join(f"{a} {n}" for a, n in d["mesh_shape"].items() if n > 1) or "1 device"
+    lines = [f"memory per device: preset {d['preset']}, mesh {mesh} ({d['devices']} devices), "
+             f"{d['rows_per_device']} rows per device, {d['trainable']} training" + (", remat" if d["remat"] else "")]
+    for k in KEYS:
+        note = "  (estimate)" if k == "activations" else ""
+        lines.append(f"  {k.replace('_', ' '):<12} {_gib(d[k]):>12}{note}")
+    lines.append(f"  {'total':<12} {_gib(d['total']):>12}")
+    if device_bytes is not None:
+        lines.append(f"  {'device':<12} {_gib(device_bytes):>12}")
+        if d["total"] > device_bytes:
+            lines.append(f"WARNING: the plan needs {_gib(d['total'])} per device but a device has "
+                         f"{_gib(device_bytes)}; shard more (fsdp / tensor axes), turn on remat, train LoRA, "
+                         "or use a smaller batch or micro-batches")
+    return "\n".join(lines)
