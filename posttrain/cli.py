@@ -1,4 +1,4 @@
-"""`posttrain` command line: `posttrain {sft,export,generate,demo} ...`.
+"""`posttrain` command line: `posttrain {sft,plan,export,generate,demo} ...`.
 
 Every user-caused error (PosttrainError) is printed as one line without a traceback and the
 process exits with code 2. Subcommands for training arrive with their trainers.
@@ -47,6 +47,31 @@ def _sft(args) -> None:
     print(f"[sft] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f} in {result['seconds']:.1f} s")
 
 
+def _plan(args) -> None:
+    from posttrain import config as C
+    from posttrain import sharding as sh
+    from posttrain.models import load_config, preset
+    from posttrain.plan import format_plan, plan
+
+    cfg = C.load(C.SFTConfig, args.config, args.overrides)
+    model_cfg = load_config(cfg.model.path) if cfg.model.path else preset(cfg.model.preset)
+    model_cfg = model_cfg.replace(param_dtype=cfg.model.dtype, dtype=cfg.model.compute_dtype or cfg.model.dtype)
+    name = cfg.sharding.preset or "dp"
+    devices = args.devices or (1 if cfg.sharding.preset is None else None)
+    if cfg.sharding.mesh_shape:
+        shape = dict(cfg.sharding.mesh_shape)
+    else:
+        import jax
+
+        shape = sh.default_mesh_shape(name, devices or jax.device_count())
+    micro = cfg.train.batch_size // (cfg.train.micro_batch_size or cfg.train.batch_size)
+    d = plan(model_cfg, batch=cfg.train.batch_size // micro, seq_len=cfg.data.max_length, mesh_shape=shape,
+             preset=name, trainable="lora" if cfg.lora.enabled else "full", remat=cfg.model.remat,
+             lora_rank=cfg.lora.rank, lora_targets=cfg.lora.targets)
+    device_bytes = int(args.device_memory * 2**30) if args.device_memory else None
+    print(format_plan(d, device_bytes))
+
+
 def _export(args) -> None:
     from posttrain.trainers.sft import export_run
 
@@ -78,6 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", required=True, help="YAML file, e.g. configs/sft_tiny.yaml")
     s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 train.steps=100")
     s.set_defaults(func=_sft)
+    s.add_argument("--distributed", action="store_true",
+                   help="multi-process run: jax.distributed from the environment (JAX_COORDINATOR_ADDRESS, "
+                        "JAX_NUM_PROCESSES, JAX_PROCESS_ID; Slurm and TPU pods detected)")
+    p = sub.add_parser("plan", help="per-device memory of a training config (parameters, optimizer, ...)")
+    p.add_argument("--config", required=True, help="YAML file of a training run")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, as for `posttrain sft`")
+    p.add_argument("--devices", type=int, default=None, help="devices to plan for (default: the visible ones)")
+    p.add_argument("--device-memory", type=float, default=None, help="GiB per device; warn when the plan exceeds it")
+    p.set_defaults(func=_plan)
     e = sub.add_parser("export", help="write a finished run as a Hugging Face folder (LoRA merged)")
     e.add_argument("--run", required=True, help="run folder written by `posttrain sft`")
     e.add_argument("--out", required=True, help="output Hugging Face folder")
@@ -93,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "distributed", False):
+            from posttrain.sharding import init_distributed
+
+            init_distributed(auto=True)  # before any other JAX call
         args.func(args)
     except PosttrainError as e:
         print(f"posttrain: error: {e}", file=sys.stderr)

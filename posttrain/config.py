@@ -393,6 +393,22 @@ class ProfileSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardingSection:
+    # Mesh preset over all devices: dp | fsdp | tp | fsdp_tp; None = one device, no mesh.
+    preset: Literal["dp", "fsdp", "tp", "fsdp_tp"] | None = None
+    # Explicit axis sizes, e.g. {data: 2, fsdp: 2, tensor: 2}; None = the preset's default layout.
+    mesh_shape: dict[str, int] | None = None
+
+    def __post_init__(self):
+        if self.mesh_shape is not None:
+            bad = set(self.mesh_shape) - {"data", "fsdp", "tensor"}
+            if bad:
+                raise PosttrainError(f"sharding.mesh_shape: unknown axes {sorted(bad)}; use data, fsdp, tensor")
+            if self.preset is None:
+                raise PosttrainError("sharding.mesh_shape needs sharding.preset (its logical-axis rules)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class SFTConfig:
     model: ModelSection  # which model to fine-tune (required)
     data: DataSection  # training data (required)
@@ -402,4 +418,5 @@ class SFTConfig:
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)  # save / resume
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)  # metric sinks, MFU
     profile: ProfileSection = dataclasses.field(default_factory=ProfileSection)  # JAX profiler window
+    sharding: ShardingSection = dataclasses.field(default_factory=ShardingSection)  # device mesh
     run_dir: str = "runs/sft"  # folder for checkpoints, logs and the saved config; default runs/sft

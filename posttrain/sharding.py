@@ -134,7 +134,7 @@ def spec_axis_product(spec: PartitionSpec, axis_sizes: Mapping[str, int]) -> int
 # ------------------------------------------------------------------------------------------ mesh
 
 
-def _default_shape(preset: str, n: int) -> dict:
+def default_mesh_shape(preset: str, n: int) -> dict:
     if preset == "dp":
         return {"data": n}
     if preset == "fsdp":
@@ -160,7 +160,7 @@ def make_mesh(preset: str = "fsdp", devices: Optional[Sequence] = None,
     devices = list(jax.devices() if devices is None else devices)
     n = len(devices)
     if shape is None:
-        sizes = _default_shape(preset, n)
+        sizes = default_mesh_shape(preset, n)
     elif isinstance(shape, Mapping):
         bad = set(shape) - set(MESH_AXES)
         if bad:

@@ -14,6 +14,7 @@ included, is one `lax.while_loop` that exits early once every row has stopped; t
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -27,6 +28,7 @@ from flax import nnx
 from posttrain.errors import PosttrainError
 from posttrain.generate.sampling import SamplingParams, select
 from posttrain.models.transformer import KVCache, Transformer
+from posttrain.sharding import use_mesh
 
 
 @dataclasses.dataclass
@@ -53,8 +55,11 @@ def default_buckets(max_len: int) -> tuple[int, ...]:
 
 class Sampler:
     def __init__(self, model: Transformer, *, max_len: Optional[int] = None,
-                 buckets: Optional[Sequence[int]] = None, pad_id: int = 0):
-        """max_len: the longest prompt + new tokens a call may ask for (the cache size bound)."""
+                 buckets: Optional[Sequence[int]] = None, pad_id: int = 0, mesh=None, rules=None):
+        """max_len: the longest prompt + new tokens a call may ask for (the cache size bound).
+
+        mesh / rules: run under a device mesh (the model's logical sharding constraints apply)."""
+        self.mesh, self.rules = mesh, rules
         self.cfg = model.cfg
         self.graphdef, self.state = nnx.split(model)
         self.max_len = int(max_len or min(self.cfg.max_position, 4096))
@@ -71,7 +76,14 @@ class Sampler:
 
     # --------------------------------------------------------------------------------- jitted parts
 
+    def _under_mesh(self):
+        return use_mesh(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
+
     def _prefill_fn(self, state, tokens, positions, segments, *, cache_size):
+        with self._under_mesh():
+            return self._prefill_body(state, tokens, positions, segments, cache_size)
+
+    def _prefill_body(self, state, tokens, positions, segments, cache_size):
         self.traces["prefill"] += 1
         model = nnx.merge(self.graphdef, state)
         cache = KVCache.init(self.cfg, tokens.shape[0], cache_size)
@@ -80,6 +92,10 @@ class Sampler:
 
     def _decode_fn(self, state, logits, cache, next_pos, key, stop, max_new_row, *, params, max_new):
         """logits [B,V] of each prompt's next token; returns tokens, logprobs, lengths [B*n, ...]."""
+        with self._under_mesh():
+            return self._decode_body(state, logits, cache, next_pos, key, stop, max_new_row, params, max_new)
+
+    def _decode_body(self, state, logits, cache, next_pos, key, stop, max_new_row, params, max_new):
         self.traces["decode"] += 1
         model = nnx.merge(self.graphdef, state)
         n = params.n

@@ -259,15 +259,19 @@ def load_config(path: str) -> ModelConfig:
     return config_from_hf(hf, cfg_file)
 
 
-def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype: Optional[str] = None):
-    """Load a HF checkpoint folder into a Transformer (parameters in `dtype`)."""
+def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype: Optional[str] = None,
+                    rules: Optional[dict] = None):
+    """Load a HF checkpoint folder into a Transformer (parameters in `dtype`).
+
+    With a `mesh`, each tensor is placed directly with its logical sharding under `rules`
+    (default: the fsdp_tp rules), so the model never lands whole on one device."""
     cfg = load_config(path).replace(param_dtype=dtype, dtype=compute_dtype or dtype)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shardings = None
     if mesh is not None:
-        from posttrain.sharding import state_shardings
-        shardings = dict(nnx.to_flat_state(state_shardings(state, mesh)))
+        from posttrain.sharding import put, state_shardings
+        shardings = dict(nnx.to_flat_state(state_shardings(state, mesh, rules)))
     files = _tensor_files(path)
     checked: set = set()
     handles: dict = {}
@@ -301,7 +305,7 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
                     "restore the checkpoint's own config.json or load matching weights")
             value = jnp.asarray(value.astype(np.dtype(jnp.dtype(dtype))))
             if shardings is not None:
-                value = jax.device_put(value, shardings[key])
+                value = put(value, shardings[key])
             var.set_value(value) if hasattr(var, "set_value") else setattr(var, "value", value)
     finally:
         for h in handles.values():

@@ -47,10 +47,12 @@ def _check_finite(metrics, step: int, max_nonfinite: int) -> None:
 
 def train_loop(step_fn, state, batches: Iterator[dict], *, steps: int, start_step: int = 0,
                log_every: int = 10, sinks: Sequence = (), hooks: Sequence[Hook] = (), progress: bool = True,
-               frozen=None, max_nonfinite: int = 3, profiler=None, extra_metrics: Optional[Callable] = None):
+               frozen=None, max_nonfinite: int = 3, profiler=None, extra_metrics: Optional[Callable] = None,
+               place_batch: Optional[Callable] = None):
     """Run steps start_step+1 .. steps; returns (state, history of logged metric dicts).
 
-    extra_metrics(m) -> dict adds host-side figures (MFU, memory) to each logged record.
+    extra_metrics(m) -> dict adds host-side figures (MFU, memory) to each logged record;
+    place_batch(batch) puts a host batch on the devices (sharded over the mesh's batch axes).
     """
     it = iter(batches)
     history = []
@@ -60,6 +62,8 @@ def train_loop(step_fn, state, batches: Iterator[dict], *, steps: int, start_ste
     for step in range(start_step + 1, steps + 1):
         batch = next(it)
         window_tokens += int(np.count_nonzero(batch["segment_ids"])) if "segment_ids" in batch else 0
+        if place_batch is not None:
+            batch = place_batch(batch)
         if profiler is not None:
             profiler.before_step(step)
         state, metrics = step_fn(state, batch) if frozen is None else step_fn(state, batch, frozen)

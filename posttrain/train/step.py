@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from posttrain.sharding import use_mesh
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -55,11 +57,13 @@ def merge(graphdef, state: TrainState) -> nnx.Module:
 
 def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, graphdef, *,
                     micro_batches: int = 1, schedule: Optional[optax.Schedule] = None,
-                    frozen_graphdef=None, trainable=nnx.Param):
+                    frozen_graphdef=None, trainable=nnx.Param, mesh=None, rules=None):
     """Build the jitted `step(state, batch, frozen=None) -> (state, metrics)`.
 
     `frozen` (optional) is the state of a frozen model (reference / teacher) rebuilt with
     `frozen_graphdef` and handed to `loss_fn(policy, batch, frozen=..., rng=...)`.
+    With a `mesh`, the step is traced inside `use_mesh(mesh, rules)`, so the model's logical
+    sharding constraints apply; the state keeps the shardings it was given (`shard_state`).
     """
 
     def grads_of(params, rest, batch, frozen_model, rng):
@@ -73,6 +77,12 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         return grads, metrics, new_rest
 
     def step(state: TrainState, batch, frozen=None):
+        if mesh is None:
+            return step_body(state, batch, frozen)
+        with use_mesh(mesh, rules):
+            return step_body(state, batch, frozen)
+
+    def step_body(state: TrainState, batch, frozen=None):
         frozen_model = None if frozen is None else nnx.merge(frozen_graphdef, frozen)
         rng, sub = jax.random.split(state.rng)
         if micro_batches == 1:

@@ -13,6 +13,7 @@ run into a Hugging Face folder (LoRA merged).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain import config as C
+from posttrain import sharding as sh
 from posttrain.data import batches, load_examples, to_arrays
 from posttrain.errors import PosttrainError
 from posttrain.losses import sft_loss
@@ -40,6 +42,7 @@ from posttrain.train.metrics import (
     format_memory,
     make_sinks,
     memory_stats,
+    mfu,
     model_flops_per_token,
     peak_flops,
 )
@@ -56,14 +59,26 @@ def build_tokenizer(mc) -> Tokenizer:
     return byte_tokenizer()
 
 
-def build_model(mc, tok: Tokenizer, lora=None) -> nnx.Module:
-    """The policy: a HF folder or a randomly initialised preset, with LoRA adapters if enabled."""
+def build_mesh(sc):
+    """(mesh, rules) of a ShardingSection, or (None, None) for one device."""
+    if sc.preset is None:
+        return None, None
+    return sh.make_mesh(sc.preset, shape=sc.mesh_shape), sh.preset_rules(sc.preset)
+
+
+def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None) -> nnx.Module:
+    """The policy: a HF folder or a randomly initialised preset, with LoRA adapters if enabled.
+
+    With a mesh the weights are created / loaded directly sharded."""
     if mc.path:
-        model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype)
+        model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules)
     else:
         cfg = preset(mc.preset, vocab_size=tok.vocab_size, param_dtype=mc.dtype,
                      dtype=mc.compute_dtype or mc.dtype)
-        model = Transformer(cfg, rngs=nnx.Rngs(mc.seed))
+        if mesh is None:
+            model = Transformer(cfg, rngs=nnx.Rngs(mc.seed))
+        else:
+            model = sh.create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(mc.seed)), mesh, rules)
     if mc.remat:
         model.cfg = model.cfg.replace(remat=True)
     if tok.vocab_size > model.cfg.vocab_size:
@@ -94,7 +109,8 @@ class SFTTrainer:
         if c.train.eval_every and not c.data.eval:
             raise PosttrainError("train.eval_every is set but data.eval is not; give data.eval=FILE or set "
                                  "train.eval_every=0")
-        self.model = build_model(c.model, self.tokenizer, c.lora)
+        self.mesh, self.rules = build_mesh(c.sharding)
+        self.model = build_model(c.model, self.tokenizer, c.lora, self.mesh, self.rules)
         if c.data.max_length > self.model.cfg.max_position:
             raise PosttrainError(f"data.max_length={c.data.max_length} exceeds the model's maximum position "
                                  f"{self.model.cfg.max_position}; lower data.max_length")
@@ -104,11 +120,15 @@ class SFTTrainer:
     def eval_loss(self, graphdef, state) -> float:
         arrays = to_arrays(self.eval_examples, self.config.data.max_length, self.tokenizer.pad_id,
                            self.config.data.packing)
-        fn = jax.jit(lambda st, b: sft_loss(merge(graphdef, st), b))
+        def loss(st, b):
+            with sh.use_mesh(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext():
+                return sft_loss(merge(graphdef, st), b)
+
+        fn = jax.jit(loss)
         total = denom = 0.0
         bs = self.config.train.batch_size
         for i in range(0, len(arrays["tokens"]), bs):
-            t, m = fn(state, {k: jnp.asarray(v[i:i + bs]) for k, v in arrays.items()})
+            t, m = fn(state, self._place({k: v[i:i + bs] for k, v in arrays.items()}))
             total, denom = total + float(t), denom + float(m["denom"])
         return total / max(denom, 1.0)
 
@@ -144,9 +164,12 @@ class SFTTrainer:
         frac = trainable_fraction(self.model) if c.lora.enabled else 1.0
         optimizer = make_optimizer(c.optim, c.train.steps)
         graphdef, state = init_state(self.model, optimizer, trainable=self.trainable, seed=c.train.seed)
+        if self.mesh is not None:  # optimizer state follows the parameters' shardings
+            state = sh.shard_state(state, self.mesh, self.rules)
         micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)
         step = make_train_step(self.loss_fn, optimizer, graphdef, micro_batches=micro,
-                               schedule=schedule(c.optim, c.train.steps), trainable=self.trainable)
+                               schedule=schedule(c.optim, c.train.steps), trainable=self.trainable,
+                               mesh=self.mesh, rules=self.rules)
         data = iter(batches(self.train_examples, batch_size=c.train.batch_size, seq_len=c.data.max_length,
                             pad_id=tok.pad_id, packing=c.data.packing, seed=c.data.seed, shuffle=c.data.shuffle))
         ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), keep=c.checkpoint.keep,
@@ -191,7 +214,8 @@ class SFTTrainer:
         peak = peak_flops(c.metrics)
 
         def extra(m):
-            return {"mfu": flops * m["tokens_per_s"] / peak, **memory_stats()}
+            n_dev = 1 if self.mesh is None else self.mesh.devices.size
+            return {"mfu": mfu(m["tokens_per_s"], flops, peak, n_dev), **memory_stats()}
 
         profiler = None
         if c.profile.start_step:
@@ -200,7 +224,8 @@ class SFTTrainer:
             state, history = train_loop(step, state, data, steps=c.train.steps, start_step=start,
                                         log_every=c.train.log_every, sinks=sinks, hooks=hooks,
                                         progress=self.progress and "console" in c.metrics.sinks,
-                                        max_nonfinite=c.train.max_nonfinite, profiler=profiler, extra_metrics=extra)
+                                        max_nonfinite=c.train.max_nonfinite, profiler=profiler, extra_metrics=extra,
+                                        place_batch=self._place)
         finally:
             ckpt.close()  # waits for an asynchronous save in flight
             for sink in sinks:
@@ -212,6 +237,12 @@ class SFTTrainer:
         result.update(history[-1] if history else {})
         result.update(first_loss=history[0]["loss"] if history else None, seconds=time.perf_counter() - t0)
         return result
+
+    def _place(self, batch: dict) -> dict:
+        """A host batch on the devices: sharded over the mesh's batch axes, or on the default device."""
+        if self.mesh is None:
+            return {k: jnp.asarray(v) for k, v in batch.items()}
+        return sh.shard_batch(batch, self.mesh, self.rules)
 
     def _weights(self) -> str:
         return os.path.join(self.config.run_dir, WEIGHTS)
