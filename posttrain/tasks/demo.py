@@ -23,7 +23,7 @@ def demo_config(out_dir: str, steps: int = 1500) -> "C.SFTConfig":
         "model": {"preset": "demo-tiny", "seed": 0},
         "data": {"train": os.path.join(data, "train.jsonl"), "eval": os.path.join(data, "eval.jsonl"),
                  "max_length": 16, "seed": 0},
-        "optim": {"lr": 3e-3, "warmup_steps": 100, "schedule": "cosine", "min_lr_ratio": 0.05,
+        "optim": {"lr": 1e-3, "warmup_steps": 100, "schedule": "cosine", "min_lr_ratio": 0.05,
                   "weight_decay": 0.01},
         "train": {"steps": steps, "batch_size": 64, "log_every": 100},
         "run_dir": os.path.join(out_dir, "run"),
