@@ -42,7 +42,9 @@ def _sft(args) -> None:
     from posttrain.trainers.sft import SFTTrainer
 
     result = SFTTrainer(C.load(C.SFTConfig, args.config, args.overrides)).train()
-    if result.get("finished"):
+    import jax
+
+    if result.get("finished") or jax.process_index() != 0:  # one process reports
         return
     print(f"[sft] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f} in {result['seconds']:.1f} s")
 

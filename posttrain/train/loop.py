@@ -36,8 +36,16 @@ class FnHook(Hook):
         self.fn(step, state, metrics)
 
 
+def host_value(x) -> np.ndarray:
+    """`x` on the host as numpy. An array spanning several processes (multi-process run) is read
+    from this process's first shard: fine for the replicated scalars that metrics are."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(jax.device_get(x))
+
+
 def _check_finite(metrics, step: int, max_nonfinite: int) -> None:
-    run = int(metrics["nonfinite_run"]) if "nonfinite_run" in metrics else 0
+    run = int(host_value(metrics["nonfinite_run"])) if "nonfinite_run" in metrics else 0
     if run >= max_nonfinite:
         raise PosttrainError(
             f"training halted at step {step}: loss or gradient was NaN/Inf in {run} consecutive steps (each "
@@ -52,7 +60,9 @@ def train_loop(step_fn, state, batches: Iterator[dict], *, steps: int, start_ste
     """Run steps start_step+1 .. steps; returns (state, history of logged metric dicts).
 
     extra_metrics(m) -> dict adds host-side figures (MFU, memory) to each logged record;
-    place_batch(batch) puts a host batch on the devices (sharded over the mesh's batch axes).
+    place_batch(batch) puts a host batch on the devices (sharded over the mesh's batch axes; in a
+    multi-process run it keeps this process's rows). `batches` yields global batches: tokens/s
+    counts the global batch's tokens.
     """
     it = iter(batches)
     history = []
@@ -75,7 +85,7 @@ def train_loop(step_fn, state, batches: Iterator[dict], *, steps: int, start_ste
         window_steps += 1
         last = step == steps
         if (log_every and step % log_every == 0) or last:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            m = {k: float(host_value(v)) for k, v in metrics.items()}
             elapsed = time.perf_counter() - window_start
             m.update(step=step, tokens_per_s=window_tokens / elapsed, step_time_s=elapsed / window_steps)
             if extra_metrics is not None:

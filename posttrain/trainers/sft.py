@@ -9,6 +9,11 @@ writes into `run_dir`: config.yaml, metrics.jsonl, and the trained weights
 resumes exactly from the newest readable checkpoint (weights, optimizer, PRNG and the data
 iterator's position); `checkpoint.resume=false` starts afresh. `export_run(run_dir, out)` turns a
 run into a Hugging Face folder (LoRA merged).
+
+Multi-process (`posttrain sft --distributed`, one process per host, a mesh preset required):
+every process reads the same global batch stream and feeds its own contiguous rows of each
+batch; process 0 alone writes the run folder (config, metrics, weights) and prints, while all
+processes join checkpoint saves and restores (Orbax coordinates them).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from posttrain import config as C
 from posttrain import sharding as sh
@@ -35,7 +41,7 @@ from posttrain.models.lora import LoraParam, apply_lora, merge_lora, trainable_f
 from posttrain.tokenizer import Tokenizer, byte_tokenizer
 from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule, train_loop
 from posttrain.train.checkpoint import Checkpointer
-from posttrain.train.loop import FnHook
+from posttrain.train.loop import FnHook, host_value
 from posttrain.train.metrics import (
     Profiler,
     estimate_memory,
@@ -96,6 +102,13 @@ class SFTTrainer:
         self.progress = progress
         c = config
         # Everything a user can get wrong is checked here, before the run folder exists.
+        n_proc = jax.process_count()
+        if n_proc > 1 and c.sharding.preset is None:
+            raise PosttrainError(f"{n_proc} processes but sharding.preset is not set; a multi-process run needs a "
+                                 "mesh over all processes' devices, e.g. sharding.preset=dp")
+        if c.train.batch_size % n_proc:
+            raise PosttrainError(f"train.batch_size={c.train.batch_size} must be a multiple of the {n_proc} "
+                                 "processes (each feeds an equal share of every global batch)")
         self.tokenizer = build_tokenizer(c.model)
         fmt = dict(completion_only_loss=c.data.completion_only_loss, assistant_only_loss=c.data.assistant_only_loss)
         self.train_examples, self.data_stats = load_examples(
@@ -129,12 +142,15 @@ class SFTTrainer:
         bs = self.config.train.batch_size
         for i in range(0, len(arrays["tokens"]), bs):
             t, m = fn(state, self._place({k: v[i:i + bs] for k, v in arrays.items()}))
-            total, denom = total + float(t), denom + float(m["denom"])
+            total, denom = total + float(host_value(t)), denom + float(host_value(m["denom"]))
         return total / max(denom, 1.0)
 
     def _prepare_run_dir(self) -> None:
-        """Fresh start, or check that the folder holds this same run (to resume it)."""
+        """Fresh start, or check that the folder holds this same run (to resume it).
+
+        Every process checks (so all raise alike); process 0 alone writes, the others wait for it."""
         c = self.config
+        multi = jax.process_count() > 1
         saved = os.path.join(c.run_dir, "config.yaml")
         if os.path.isfile(saved) and c.checkpoint.resume:
             before = C.to_dict(C.load(C.SFTConfig, saved))
@@ -145,19 +161,25 @@ class SFTTrainer:
                 diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
                 raise PosttrainError(f"{saved}: run_dir holds a run with a different config (sections {diff}); "
                                      "use a new run_dir, or checkpoint.resume=false to start this one afresh")
-        elif os.path.isdir(c.run_dir) and not c.checkpoint.resume:
-            for name in ("checkpoints", "metrics.jsonl", WEIGHTS, "tensorboard", "profile"):
-                path = os.path.join(c.run_dir, name)
-                if os.path.isdir(path):
-                    shutil.rmtree(path)
-                elif os.path.exists(path):
-                    os.remove(path)
-        os.makedirs(c.run_dir, exist_ok=True)
-        C.save(c, saved)
+        if multi:  # nobody still reads config.yaml when process 0 rewrites it
+            multihost_utils.sync_global_devices("posttrain:run_dir checked")
+        if sh.is_main_process():
+            if os.path.isdir(c.run_dir) and not c.checkpoint.resume:
+                for name in ("checkpoints", "metrics.jsonl", WEIGHTS, "tensorboard", "profile"):
+                    path = os.path.join(c.run_dir, name)
+                    if os.path.isdir(path):
+                        shutil.rmtree(path)
+                    elif os.path.exists(path):
+                        os.remove(path)
+            os.makedirs(c.run_dir, exist_ok=True)
+            C.save(c, saved)
+        if multi:
+            multihost_utils.sync_global_devices("posttrain:run_dir ready")
 
     def train(self) -> dict:
         c, tok = self.config, self.tokenizer
         t0 = time.perf_counter()
+        main = sh.is_main_process()  # the process that writes files and prints
         self._prepare_run_dir()
         metrics_path = os.path.join(c.run_dir, "metrics.jsonl")
         n_params = count_params(self.model)
@@ -179,22 +201,23 @@ class SFTTrainer:
         if restored is not None:
             start, state, data_state, _ = restored
             data.set_state(data_state["iterator"])
-            print(f"[sft] resuming {c.run_dir} from the checkpoint at step {start}")
-        _truncate_jsonl(metrics_path, start)  # a killed attempt may have logged past its last checkpoint
-        print(f"[sft] {len(self.train_examples)} examples ({self.data_stats}), {n_params:,} parameters, "
-              f"trainable {frac:.2%}")
+            _print(f"[sft] resuming {c.run_dir} from the checkpoint at step {start}")
+        if main:
+            _truncate_jsonl(metrics_path, start)  # a killed attempt may have logged past its last checkpoint
+        _print(f"[sft] {len(self.train_examples)} examples ({self.data_stats}), {n_params:,} parameters, "
+               f"trainable {frac:.2%}")
         estimate = estimate_memory(self.model, trainable_params=state.params, batch=c.train.batch_size,
                                    seq_len=c.data.max_length, cfg=self.model.cfg, micro_batches=micro,
                                    remat=c.model.remat)
-        print("[sft] memory estimate per model replica:\n" + format_memory(estimate))
+        _print("[sft] memory estimate per model replica:\n" + format_memory(estimate))
         result: dict = {}
         if start >= c.train.steps:
             ckpt.close()
-            print(f"[sft] {c.run_dir} already finished ({start} steps); nothing to do")
+            _print(f"[sft] {c.run_dir} already finished ({start} steps); nothing to do")
             self.model = merge(graphdef, state)
             return {"step": start, "finished": True, "seconds": time.perf_counter() - t0}
 
-        sinks = make_sinks(c.metrics, c.run_dir)
+        sinks = make_sinks(c.metrics, c.run_dir, is_main_process=main)
         hooks = []
         if self.eval_examples is not None:
             def evaluate(step_no, st, _m):
@@ -206,7 +229,7 @@ class SFTTrainer:
             hooks.append(FnHook(c.train.eval_every, evaluate))
 
         def save(step_no, st, _m):
-            if int(st.nonfinite) == 0:  # never checkpoint in the middle of a run of skipped (NaN) steps
+            if int(host_value(st.nonfinite)) == 0:  # never checkpoint in the middle of a run of skipped (NaN) steps
                 ckpt.save(step_no, st, {"iterator": data.get_state()})
 
         hooks.append(FnHook(c.checkpoint.every, save))  # also after the last step
@@ -223,8 +246,9 @@ class SFTTrainer:
         try:
             state, history = train_loop(step, state, data, steps=c.train.steps, start_step=start,
                                         log_every=c.train.log_every, sinks=sinks, hooks=hooks,
-                                        progress=self.progress and "console" in c.metrics.sinks,
-                                        max_nonfinite=c.train.max_nonfinite, profiler=profiler, extra_metrics=extra,
+                                        progress=main and self.progress and "console" in c.metrics.sinks,
+                                        max_nonfinite=c.train.max_nonfinite, profiler=profiler,
+                                        extra_metrics=extra if main else None,
                                         place_batch=self._place)
         finally:
             ckpt.close()  # waits for an asynchronous save in flight
@@ -232,20 +256,37 @@ class SFTTrainer:
                 sink.close()
             if profiler is not None:
                 profiler.close()
-        save_state(state.params, self._weights())
+        save_state(state.params, self._weights())  # every process joins; process 0 writes
         self.model = merge(graphdef, state)
         result.update(history[-1] if history else {})
         result.update(first_loss=history[0]["loss"] if history else None, seconds=time.perf_counter() - t0)
         return result
 
     def _place(self, batch: dict) -> dict:
-        """A host batch on the devices: sharded over the mesh's batch axes, or on the default device."""
+        """A host batch on the devices: sharded over the mesh's batch axes, or on the default device.
+
+        With several processes each holds the same global batch and places its own contiguous rows."""
         if self.mesh is None:
             return {k: jnp.asarray(v) for k, v in batch.items()}
-        return sh.shard_batch(batch, self.mesh, self.rules)
+        n, i = jax.process_count(), jax.process_index()
+        if n == 1:
+            return sh.shard_batch(batch, self.mesh, self.rules)
+        rows = len(next(iter(batch.values())))
+        if rows % n:
+            raise PosttrainError(f"a batch of {rows} rows cannot be split evenly over {n} processes; make "
+                                 f"train.batch_size (and the eval set's last, partial batch) a multiple of {n}")
+        per = rows // n
+        return sh.shard_batch({k: v[i * per:(i + 1) * per] for k, v in batch.items()}, self.mesh, self.rules,
+                              process_local=True)
 
     def _weights(self) -> str:
         return os.path.join(self.config.run_dir, WEIGHTS)
+
+
+def _print(*args) -> None:
+    """print on process 0 only (the one that logs)."""
+    if sh.is_main_process():
+        print(*args)
 
 
 def _truncate_jsonl(path: str, last_step: int) -> None:
