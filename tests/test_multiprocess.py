@@ -11,6 +11,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import mp_worker
 import numpy as np
@@ -40,6 +41,27 @@ def _child_env(port: int, pid: int) -> dict:
     return env
 
 
+
+def wait_children(procs, log_dir, deadline):
+    """Wait for every child until `deadline` (time.monotonic()); fail with the log tail of the first bad one."""
+    for pid, p in enumerate(procs):
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = None
+        if rc != 0:
+            out = (log_dir / f"proc{pid}.log").read_text()[-3000:]
+            pytest.fail(f"process {pid} {'timed out' if rc is None else f'exited with {rc}'}:\n{out}")
+
+
+def kill_children(procs, logs):
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+
 def test_two_processes_train_like_one_device(tmp_path):
     port = _free_port()
     procs, logs = [], []
@@ -51,21 +73,9 @@ def test_two_processes_train_like_one_device(tmp_path):
                                            str(tmp_path / f"proc{pid}.npz")],
                                           env=_child_env(port, pid), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
         ref_losses, ref_params = mp_worker.run(None)  # the single-device reference, while they run
-        for pid, p in enumerate(procs):
-            try:
-                rc = p.wait(timeout=TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                rc = None
-            if rc != 0:
-                out = (tmp_path / f"proc{pid}.log").read_text()[-3000:]
-                pytest.fail(f"process {pid} {'timed out' if rc is None else f'exited with {rc}'}:\n{out}")
+        wait_children(procs, tmp_path, time.monotonic() + TIMEOUT_S)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+        kill_children(procs, logs)
 
     results = [np.load(tmp_path / f"proc{pid}.npz") for pid in range(2)]
     assert [int(r["process"]) for r in results] == [0, 1]

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 from safetensors.numpy import load_file
-from test_multiprocess import _child_env, _free_port
+from test_multiprocess import _child_env, _free_port, kill_children, wait_children
 
 from posttrain import config as C
 from posttrain.trainers.sft import SFTTrainer
@@ -74,22 +74,9 @@ def test_two_processes_sft_cli_equals_one_device(tmp_path):
         ref = SFTTrainer(C.load(C.SFTConfig, str(cfg_file), [f"run_dir={ref_dir}"]), progress=False)
         assert ref.mesh is None
         ref.train()
-        deadline = time.monotonic() + TIMEOUT_S
-        for pid, p in enumerate(procs):
-            try:
-                rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                rc = None
-            if rc != 0:
-                out = (tmp_path / f"proc{pid}.log").read_text()[-3000:]
-                pytest.fail(f"process {pid} {'timed out' if rc is None else f'exited with {rc}'}:\n{out}")
+        wait_children(procs, tmp_path, time.monotonic() + TIMEOUT_S)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
+        kill_children(procs, logs)
     seconds = time.perf_counter() - t0
 
     # the weights: written once (by process 0), equal to the one-device run
