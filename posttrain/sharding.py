@@ -184,11 +184,14 @@ def make_mesh(preset: str = "fsdp", devices: Optional[Sequence] = None,
 
 
 @contextlib.contextmanager
-def use_mesh(mesh: Mesh, rules: Optional[dict] = None):
-    """Make `mesh` (with logical `rules`) active for `constrain` inside this block.
+def use_mesh(mesh: Optional[Mesh], rules: Optional[dict] = None):
+    """Make `mesh` (with logical `rules`) active for `constrain` inside this block; None = no mesh.
 
     Constraints apply when a function is traced: call (first) jitted functions inside the block.
     """
+    if mesh is None:
+        yield None
+        return
     _ACTIVE.append((mesh, DEFAULT_RULES if rules is None else rules))
     try:
         yield mesh

@@ -14,7 +14,6 @@ included, is one `lax.while_loop` that exits early once every row has stopped; t
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import warnings
@@ -76,11 +75,8 @@ class Sampler:
 
     # --------------------------------------------------------------------------------- jitted parts
 
-    def _under_mesh(self):
-        return use_mesh(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext()
-
     def _prefill_fn(self, state, tokens, positions, segments, *, cache_size):
-        with self._under_mesh():
+        with use_mesh(self.mesh, self.rules):
             return self._prefill_body(state, tokens, positions, segments, cache_size)
 
     def _prefill_body(self, state, tokens, positions, segments, cache_size):
@@ -92,7 +88,7 @@ class Sampler:
 
     def _decode_fn(self, state, logits, cache, next_pos, key, stop, max_new_row, *, params, max_new):
         """logits [B,V] of each prompt's next token; returns tokens, logprobs, lengths [B*n, ...]."""
-        with self._under_mesh():
+        with use_mesh(self.mesh, self.rules):
             return self._decode_body(state, logits, cache, next_pos, key, stop, max_new_row, params, max_new)
 
     def _decode_body(self, state, logits, cache, next_pos, key, stop, max_new_row, params, max_new):

@@ -77,8 +77,6 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         return grads, metrics, new_rest
 
     def step(state: TrainState, batch, frozen=None):
-        if mesh is None:
-            return step_body(state, batch, frozen)
         with use_mesh(mesh, rules):
             return step_body(state, batch, frozen)
 

@@ -18,7 +18,6 @@ processes join checkpoint saves and restores (Orbax coordinates them).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -131,13 +130,17 @@ class SFTTrainer:
         self.loss_fn = sft_loss
 
     def eval_loss(self, graphdef, state) -> float:
-        arrays = to_arrays(self.eval_examples, self.config.data.max_length, self.tokenizer.pad_id,
-                           self.config.data.packing)
-        def loss(st, b):
-            with sh.use_mesh(self.mesh, self.rules) if self.mesh is not None else contextlib.nullcontext():
-                return sft_loss(merge(graphdef, st), b)
+        """Token-weighted loss over the eval set; its arrays and jitted loss are built once per run."""
+        if getattr(self, "_eval", None) is None or self._eval[0] is not graphdef:
+            arrays = to_arrays(self.eval_examples, self.config.data.max_length, self.tokenizer.pad_id,
+                               self.config.data.packing)
 
-        fn = jax.jit(loss)
+            def loss(st, b):
+                with sh.use_mesh(self.mesh, self.rules):
+                    return self.loss_fn(merge(graphdef, st), b)
+
+            self._eval = (graphdef, arrays, jax.jit(loss))
+        _, arrays, fn = self._eval
         total = denom = 0.0
         bs = self.config.train.batch_size
         for i in range(0, len(arrays["tokens"]), bs):
