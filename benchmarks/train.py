@@ -29,28 +29,7 @@ import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
 from posttrain.losses import sft_loss  # noqa: E402
 from posttrain.models import count_params, from_pretrained  # noqa: E402
 from posttrain.train import init_state, make_train_step  # noqa: E402
-
-
-def matmul_peak(n=2048, reps=5):
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda x, y: x @ y)
-    f(a, a).block_until_ready()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f(a, a).block_until_ready()
-        ts.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / float(np.median(ts))
-
-
-def model_flops_per_token(cfg, seq):
-    """6 * matmul parameters (forward + backward) + attention scores and values (causal, full S)."""
-    D, N, K, H, F, L, V = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
-                           cfg.num_layers, cfg.vocab_size)
-    per_layer = D * (N + 2 * K) * H + N * H * D + 3 * D * F
-    matmul = L * per_layer + D * V
-    attn = L * 2 * 2 * N * H * seq  # QK^T and PV, 2 FLOPs per MAC, all S keys (as computed, masked)
-    return 6 * matmul + 3 * attn
+from posttrain.train.metrics import measure_peak_flops, model_flops_per_token  # noqa: E402
 
 
 def main():
@@ -83,7 +62,7 @@ def main():
         jax.block_until_ready(m)
         ts.append((time.perf_counter() - t0) / args.steps)
     s = med(ts)
-    peak = matmul_peak()
+    peak = measure_peak_flops()
     flops = model_flops_per_token(model.cfg, T) * B * T
     res = {"lib": "posttrain", "jax": jax.__version__, "threads": args.threads, "ckpt": ckpt,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "n_params": count_params(model),
