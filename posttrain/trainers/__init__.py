@@ -1,0 +1,1 @@
+"""Trainer recipes: thin compositions of data, loss, train step and loop (SFT so far)."""
