@@ -64,13 +64,27 @@ def truncate(logits, top_k: int, top_p: float):
     return logits
 
 
+def max_argmax(x):
+    """(max, first index of the max) along the last axis in ONE variadic reduction (jnp.argmax's own)."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+
+    def pick(a, b):
+        (va, ia), (vb, ib) = a, b
+        take_a = (va > vb) | ((va == vb) & (ia < ib))
+        return jnp.where(take_a, va, vb), jnp.where(take_a, ia, ib)
+
+    return jax.lax.reduce((x, iota), (jnp.array(-jnp.inf, x.dtype), jnp.int32(0)), pick, (x.ndim - 1,))
+
+
 def select(logits, key, params: SamplingParams):
     """Pick one token per row. logits [B, V]; returns (tokens [B] int32, logprobs [B] float32)."""
     logits = logits.astype(jnp.float32)
     scaled = logits / params.temperature if params.temperature > 0 else logits
     if params.greedy:
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    else:
-        tok = jax.random.categorical(key, truncate(scaled, params.top_k, params.top_p), axis=-1).astype(jnp.int32)
+        # log_softmax at the argmax is -log(sum(exp(x - max))): one pass over the vocabulary
+        # gives both the token and the shift (the same values as jax.nn.log_softmax).
+        top, tok = max_argmax(logits)
+        return tok, -jnp.log(jnp.sum(jnp.exp(scaled - top[:, None]), axis=-1))
+    tok = jax.random.categorical(key, truncate(scaled, params.top_k, params.top_p), axis=-1).astype(jnp.int32)
     logp = jax.nn.log_softmax(scaled, axis=-1)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]

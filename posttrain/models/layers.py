@@ -67,13 +67,19 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return inv
 
 
-def apply_rope(x, positions, inv_freq):
-    """Rotate-half RoPE. x: [B, T, ..., H]; positions: [B, T] int."""
-    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, H/2]
+def rope_cos_sin(positions, rope: RopeConfig, head_dim: int):
+    """(cos, sin), each [B, T, H] float32, for positions [B, T] int (shared by every layer using `rope`)."""
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(rope, head_dim))  # [B, T, H/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos_sin):
+    """Rotate-half RoPE. x: [B, T, ..., H]; cos_sin: from `rope_cos_sin`, each [B, T, H]."""
+    cos, sin = cos_sin
     extra = x.ndim - 3  # head axes between T and H
-    emb = emb.reshape(emb.shape[:2] + (1,) * extra + emb.shape[-1:])
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[-1:])
+    sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[-1:])
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     xf = x.astype(jnp.float32)
@@ -139,10 +145,9 @@ class Attention(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
         self.scale = cfg.query_scale if cfg.query_scale is not None else H ** -0.5
         self.attn_softcap = cfg.attn_softcap
-        self.rope = cfg.layer_rope(layer)  # static; frequencies are trace-time numpy constants
 
-    def __call__(self, x, positions, mask, kv=None, write_index=None, return_attn=False):
-        """x [B,T,D], positions [B,T], mask [B,T,S] bool.
+    def __call__(self, x, rope, mask, kv=None, write_index=None, return_attn=False):
+        """x [B,T,D], rope: this layer's (cos, sin) from `rope_cos_sin`, mask [B,T,S] bool.
 
         kv: this layer's cache (k, v), each [B,K,S,H], or None to attend within x only.
         Returns (y [B,T,D], new kv or None, probs [B,N,T,S] or None).
@@ -157,9 +162,8 @@ class Attention(nnx.Module):
         k, v = k[:, :, :, 0], v[:, :, :, 0]  # q [B,T,K,G,H]; k, v [B,T,K,H]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = rope_inv_freq(self.rope, q.shape[-1])
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, rope)
+        k = apply_rope(k, rope)
         q = constrain(q, ("batch", "seq", "kv_heads", None, "head_dim"))
         k = jnp.swapaxes(k, 1, 2)  # [B,K,T,H]
         v = jnp.swapaxes(v, 1, 2)
@@ -228,9 +232,10 @@ class Block(nnx.Module):
         else:
             self.post_attn_norm = self.post_mlp_norm = None
         self.window = cfg.layer_window(layer)
+        self.rope = cfg.layer_rope(layer)  # static: the Transformer passes this RopeConfig's (cos, sin)
 
-    def __call__(self, x, positions, mask, kv=None, write_index=None, return_attn=False):
-        h, kv, attn = self.attn(self.attn_norm(x), positions, mask, kv, write_index, return_attn)
+    def __call__(self, x, rope, mask, kv=None, write_index=None, return_attn=False):
+        h, kv, attn = self.attn(self.attn_norm(x), rope, mask, kv, write_index, return_attn)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
