@@ -8,6 +8,7 @@ import torch
 
 from posttrain.errors import PosttrainError
 from posttrain.generate import Sampler, SamplingParams, truncate
+from posttrain.generate.sampler import phase_sizes
 from posttrain.models import from_pretrained
 
 
@@ -33,15 +34,17 @@ def _prompts(seed, lengths=(9, 5, 13)):
 def test_greedy_matches_transformers_generate(hf_checkpoints, samplers, family):
     from transformers import AutoModelForCausalLM
 
+    new = 100  # >= 64, and long enough that the decode runs in several cache phases
+    assert len(phase_sizes(16, new)) == 3
     hf = AutoModelForCausalLM.from_pretrained(hf_checkpoints[family], dtype=torch.float32).eval()
     prompts = _prompts(0)
-    out = samplers(family).generate(prompts, SamplingParams(max_new_tokens=64, temperature=0.0))
+    out = samplers(family).generate(prompts, SamplingParams(max_new_tokens=new, temperature=0.0))
     for i, p in enumerate(prompts):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=64, min_new_tokens=64, do_sample=False, pad_token_id=0)
+                              max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         np.testing.assert_array_equal(out.tokens[i], ref[0, len(p):].numpy())
-    assert (out.lengths == 64).all() and set(out.finish_reasons) == {"length"}
+    assert (out.lengths == new).all() and set(out.finish_reasons) == {"length"}
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
@@ -49,7 +52,9 @@ def test_logprobs_equal_trainer_forward(samplers, temperature):
     """Sampler log-probs equal log_softmax(forward logits / T) on the same tokens (the RL basis)."""
     s = samplers("qwen3")
     prompts = _prompts(1)
-    out = s.generate(prompts, SamplingParams(max_new_tokens=12, temperature=temperature, n=2),
+    new = 70  # two cache phases (the cache grows after the n-fold repeat)
+    assert len(phase_sizes(16, new)) == 2
+    out = s.generate(prompts, SamplingParams(max_new_tokens=new, temperature=temperature, n=2),
                      key=jax.random.key(3))
     from flax import nnx
 
@@ -59,7 +64,7 @@ def test_logprobs_equal_trainer_forward(samplers, temperature):
         seq = np.array(p + out.tokens[r].tolist())
         logits = model(jnp.asarray(seq[None]), jnp.arange(len(seq))[None]).logits[0]
         logp = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)
-        ref = np.asarray(logp[len(p) - 1:-1][np.arange(12), out.tokens[r]])
+        ref = np.asarray(logp[len(p) - 1:-1][np.arange(new), out.tokens[r]])
         np.testing.assert_allclose(out.logprobs[r], ref, atol=1e-5, rtol=0)
 
 
@@ -150,17 +155,21 @@ def test_same_bucket_does_not_recompile_and_groups_prefill_once(samplers):
 def test_stop_tokens_and_per_row_limits(samplers):
     s = samplers("llama")
     prompts = _prompts(8)
-    free = s.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0.0))
+    free = s.generate(prompts, SamplingParams(max_new_tokens=70, temperature=0.0))
     stop_tok = int(free.tokens[0, 4])  # row 0's fifth token becomes its stop token
     first = int(np.argmax(free.tokens[0] == stop_tok))
-    out = s.generate(prompts, SamplingParams(max_new_tokens=20, temperature=0.0),
-                     stop_ids=[[stop_tok], [], []], max_new_tokens=[20, 7, 20])
+    out = s.generate(prompts, SamplingParams(max_new_tokens=70, temperature=0.0),
+                     stop_ids=[[stop_tok], [], []], max_new_tokens=[70, 7, 70])
     assert out.lengths[0] == first + 1 and out.finish_reasons[0] == "stop"
     np.testing.assert_array_equal(out.tokens[0, :first + 1], free.tokens[0, :first + 1])
     assert (out.tokens[0, first + 1:] == 0).all() and (out.logprobs[0, first + 1:] == 0).all()
     assert out.lengths[1] == 7 and out.finish_reasons[1] == "length"
     np.testing.assert_array_equal(out.tokens[1, :7], free.tokens[1, :7])
     np.testing.assert_array_equal(out.tokens[2], free.tokens[2])
+    short = s.generate(prompts, SamplingParams(max_new_tokens=70, temperature=0.0), max_new_tokens=[3, 3, 3])
+    assert (short.lengths == 3).all()  # every row done in the first cache phase: later phases run no step
+    np.testing.assert_array_equal(short.tokens[:, :3], free.tokens[:, :3])
+    assert (short.tokens[:, 3:] == 0).all()
 
 
 def test_same_key_same_samples(samplers):
