@@ -209,14 +209,14 @@ class Sampler:
         if (row_max <= 0).any() or (row_max > M).any():
             raise PosttrainError(f"generate: per-row max_new_tokens must be in [1, {M}]")
         n = params.n
+        stops = np.repeat(stop, n, 0)  # per sample row
         key = jax.random.key(0) if key is None else key
         logits, cache = self._prefill(self.state, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs))
         self.prefill_rows += B
         out_tok, out_lp, lengths = self._decode(
-            self.state, logits, cache, jnp.asarray(lens), key, jnp.asarray(np.repeat(stop, n, 0)),
+            self.state, logits, cache, jnp.asarray(lens), key, jnp.asarray(stops),
             jnp.asarray(np.repeat(row_max, n)), params=params, max_new=M)
         out_tok, out_lp, lengths = jax.device_get((out_tok, out_lp, lengths))
-        stops = np.repeat(stop, n, 0)
         last = out_tok[np.arange(len(lengths)), lengths - 1]
         reasons = ["stop" if (s == t).any() else "length" for s, t in zip(stops, last)]
         return Completions(np.asarray(out_tok), np.asarray(out_lp), np.asarray(lengths), reasons,

@@ -153,8 +153,9 @@ class Attention(nnx.Module):
         Returns (y [B,T,D], new kv or None, probs [B,N,T,S] or None).
         """
         G, dt = self.groups, self.dtype
-        qkv = jnp.einsum("btd,dkch->btkch", x.astype(dt), self.qkv[...].astype(dt))
-        if (d := lora_update(self, "qkv", x.astype(dt))) is not None:
+        x = x.astype(dt)
+        qkv = jnp.einsum("btd,dkch->btkch", x, self.qkv[...].astype(dt))
+        if (d := lora_update(self, "qkv", x)) is not None:
             qkv = qkv + d
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...].astype(dt)
