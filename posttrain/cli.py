@@ -42,34 +42,44 @@ def _sft(args) -> None:
     from posttrain.trainers.sft import SFTTrainer
 
     result = SFTTrainer(C.load(C.SFTConfig, args.config, args.overrides)).train()
-    import jax
+    from posttrain.sharding import is_main_process
 
-    if result.get("finished") or jax.process_index() != 0:  # one process reports
+    if result.get("finished") or not is_main_process():  # one process reports
         return
     print(f"[sft] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f} in {result['seconds']:.1f} s")
 
 
 def _plan(args) -> None:
+    import math
+
     from posttrain import config as C
     from posttrain import sharding as sh
-    from posttrain.models import load_config, preset
+    from posttrain.models import load_config
     from posttrain.plan import format_plan, plan
+    from posttrain.trainers.sft import build_tokenizer, preset_config
 
     cfg = C.load(C.SFTConfig, args.config, args.overrides)
-    model_cfg = load_config(cfg.model.path) if cfg.model.path else preset(cfg.model.preset)
-    model_cfg = model_cfg.replace(param_dtype=cfg.model.dtype, dtype=cfg.model.compute_dtype or cfg.model.dtype)
-    name = cfg.sharding.preset or "dp"
-    devices = args.devices or (1 if cfg.sharding.preset is None else None)
-    if cfg.sharding.mesh_shape:
-        shape = dict(cfg.sharding.mesh_shape)
+    mc = cfg.model
+    if mc.path:  # the same ModelConfig the trainer builds
+        model_cfg = load_config(mc.path).replace(param_dtype=mc.dtype, dtype=mc.compute_dtype or mc.dtype)
+    else:
+        model_cfg = preset_config(mc, build_tokenizer(mc))
+    shape = dict(cfg.sharding.mesh_shape) if cfg.sharding.mesh_shape else None
+    if cfg.sharding.preset is None:
+        n = 1
+    elif args.devices:
+        n = args.devices
+    elif shape and -1 not in shape.values():
+        n = math.prod(shape.values())  # a plan for the mesh the config names
     else:
         import jax
 
-        shape = sh.default_mesh_shape(name, devices or jax.device_count())
-    micro = cfg.train.batch_size // (cfg.train.micro_batch_size or cfg.train.batch_size)
-    d = plan(model_cfg, batch=cfg.train.batch_size // micro, seq_len=cfg.data.max_length, mesh_shape=shape,
-             preset=name, trainable="lora" if cfg.lora.enabled else "full", remat=cfg.model.remat,
-             lora_rank=cfg.lora.rank, lora_targets=cfg.lora.targets)
+        n = jax.device_count()
+    name = cfg.sharding.preset or "dp"
+    mesh_shape = dict(zip(sh.MESH_AXES, sh.mesh_dims(name, n, shape)))
+    d = plan(model_cfg, batch=cfg.train.micro_batch_size or cfg.train.batch_size, seq_len=cfg.data.max_length,
+             mesh_shape=mesh_shape, preset=name, trainable="lora" if cfg.lora.enabled else "full",
+             remat=mc.remat, lora_rank=cfg.lora.rank, lora_targets=cfg.lora.targets)
     device_bytes = int(args.device_memory * 2**30) if args.device_memory else None
     print(format_plan(d, device_bytes))
 

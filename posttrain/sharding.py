@@ -42,7 +42,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from posttrain.errors import PosttrainError
 
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab")
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Rules key: a parameter left without this mesh axis by its names shards its largest divisible
@@ -148,17 +147,9 @@ def default_mesh_shape(preset: str, n: int) -> dict:
     return {"fsdp": n // t, "tensor": t}
 
 
-def make_mesh(preset: str = "fsdp", devices: Optional[Sequence] = None,
-              shape: Union[Mapping[str, int], Sequence[int], None] = None) -> Mesh:
-    """A mesh with axes (data, fsdp, tensor) for `preset` over `devices` (default: all devices).
-
-    `shape`: explicit axis sizes, as {"fsdp": 4, "tensor": 2} (missing axes are 1; one axis may be
-    -1 = the remaining devices) or a (data, fsdp, tensor) tuple. Default: all devices on the
-    preset's axis; fsdp_tp splits n devices into fsdp n/t x tensor t (8 -> 4 x 2).
-    """
+def mesh_dims(preset: str, n: int, shape: Union[Mapping[str, int], Sequence[int], None] = None) -> tuple:
+    """(data, fsdp, tensor) sizes of `preset`'s mesh over n devices; `shape` as in `make_mesh`."""
     preset_rules(preset)
-    devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
     if shape is None:
         sizes = default_mesh_shape(preset, n)
     elif isinstance(shape, Mapping):
@@ -180,6 +171,19 @@ def make_mesh(preset: str = "fsdp", devices: Optional[Sequence] = None,
     if any(d <= 0 for d in dims) or math.prod(dims) != n:
         raise PosttrainError(f"mesh shape {dict(zip(MESH_AXES, dims))} needs {math.prod(dims)} devices but "
                              f"{n} are given; make the axis sizes multiply to {n}")
+    return dims
+
+
+def make_mesh(preset: str = "fsdp", devices: Optional[Sequence] = None,
+              shape: Union[Mapping[str, int], Sequence[int], None] = None) -> Mesh:
+    """A mesh with axes (data, fsdp, tensor) for `preset` over `devices` (default: all devices).
+
+    `shape`: explicit axis sizes, as {"fsdp": 4, "tensor": 2} (missing axes are 1; one axis may be
+    -1 = the remaining devices) or a (data, fsdp, tensor) tuple. Default: all devices on the
+    preset's axis; fsdp_tp splits n devices into fsdp n/t x tensor t (8 -> 4 x 2).
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    dims = mesh_dims(preset, len(devices), shape)
     return jax.make_mesh(dims, MESH_AXES, axis_types=(AxisType.Auto,) * 3, devices=devices)
 
 
@@ -197,11 +201,6 @@ def use_mesh(mesh: Optional[Mesh], rules: Optional[dict] = None):
         yield mesh
     finally:
         _ACTIVE.pop()
-
-
-def active_mesh() -> Optional[tuple[Mesh, dict]]:
-    """(mesh, rules) of the innermost `use_mesh` block, or None."""
-    return _ACTIVE[-1] if _ACTIVE else None
 
 
 # ------------------------------------------------------------------------------------------ model code

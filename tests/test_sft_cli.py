@@ -280,3 +280,22 @@ def test_export_of_missing_run_exits_2(tmp_path, capsys):
     assert rc == 2 and err.startswith("posttrain: error:") and "Traceback" not in err
     assert "config.yaml" in err and "missing" in err
     assert not out.exists()
+
+
+def test_plan_sizes_the_model_the_trainer_builds_and_resolves_minus_one(tmp_path, capsys):
+    """`posttrain plan` on a preset counts the vocabulary of the tokenizer the trainer uses (byte
+    tokenizer: 263 rows, not the preset's 2048), and accepts an axis of -1 as `sft` does."""
+    from flax import nnx
+
+    from posttrain.models import Transformer, count_params, preset
+    from posttrain.plan import _gib
+
+    cfg = write_config(tmp_path, PROMPT_COMPLETION, model={"preset": "tiny-llama"})
+    assert main(["plan", "--config", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    n = count_params(nnx.eval_shape(lambda: Transformer(preset("tiny-llama", vocab_size=263), rngs=nnx.Rngs(0))))
+    params_line = next(line.split() for line in out.splitlines() if line.split()[:1] == ["parameters"])
+    assert params_line[1:] == _gib(4 * n).split()  # float32 parameters, one device
+    assert main(["plan", "--config", str(cfg), "--devices", "4", "sharding.preset=fsdp",
+                 "sharding.mesh_shape={fsdp: -1}"]) == 0
+    assert "mesh fsdp 4 (4 devices)" in capsys.readouterr().out

@@ -71,21 +71,25 @@ def build_mesh(sc):
     return sh.make_mesh(sc.preset, shape=sc.mesh_shape), sh.preset_rules(sc.preset)
 
 
+def preset_config(mc, tok: Tokenizer):
+    """The ModelConfig of a preset model section: vocabulary sized to the tokenizer, dtypes, remat."""
+    return preset(mc.preset, vocab_size=tok.vocab_size, param_dtype=mc.dtype,
+                  dtype=mc.compute_dtype or mc.dtype, remat=mc.remat)
+
+
 def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None) -> nnx.Module:
     """The policy: a HF folder or a randomly initialised preset, with LoRA adapters if enabled.
 
     With a mesh the weights are created / loaded directly sharded."""
     if mc.path:
         model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules)
+        model.cfg = model.cfg.replace(remat=mc.remat)
     else:
-        cfg = preset(mc.preset, vocab_size=tok.vocab_size, param_dtype=mc.dtype,
-                     dtype=mc.compute_dtype or mc.dtype)
+        cfg = preset_config(mc, tok)
         if mesh is None:
             model = Transformer(cfg, rngs=nnx.Rngs(mc.seed))
         else:
             model = sh.create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(mc.seed)), mesh, rules)
-    if mc.remat:
-        model.cfg = model.cfg.replace(remat=True)
     if tok.vocab_size > model.cfg.vocab_size:
         raise PosttrainError(f"model.tokenizer has {tok.vocab_size} tokens but the model's vocabulary is "
                              f"{model.cfg.vocab_size}; use the model's own tokenizer")
