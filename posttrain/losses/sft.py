@@ -4,9 +4,6 @@ Exact variant: total = sum_t w_t * (-log softmax(logits_t)[target_t]), denom = s
 the batch layout of `posttrain.data` (targets[t] = tokens[t + 1] inside a segment, weights = 1
 where token t + 1 is a training target). Dividing by denom gives transformers' / TRL's loss:
 the mean over all unmasked target tokens of the batch (token-weighted, not per-sequence).
-
-The log-softmax runs on the vocabulary in float32 over sequence chunks (`chunk` tokens per row),
-so a full float32 [B, T, V] logits array is never materialised for long sequences.
 """
 
 from __future__ import annotations
@@ -15,29 +12,18 @@ import jax
 import jax.numpy as jnp
 
 
-def token_nll(model, hidden, targets, chunk: int = 0):
-    """-log p(targets) [B, T] from final hidden states [B, T, D] (after the final norm)."""
-    B, T, _ = hidden.shape
-
-    def nll(h, tgt):
-        logits = model.unembed(h).astype(jnp.float32)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        return lse - jnp.take_along_axis(logits, tgt[..., None], axis=-1)[..., 0]
-
-    if not chunk or chunk >= T or T % chunk:
-        return nll(hidden, targets)
-    n = T // chunk
-    hs = hidden.reshape(B, n, chunk, -1).swapaxes(0, 1)
-    ts = targets.reshape(B, n, chunk).swapaxes(0, 1)
-    out = jax.lax.map(lambda a: jax.checkpoint(nll)(*a), (hs, ts))  # [n, B, chunk]
-    return out.swapaxes(0, 1).reshape(B, T)
+def token_nll(model, hidden, targets):
+    """-log p(targets) [B, T] from final hidden states [B, T, D] (after the final norm); float32 log-softmax."""
+    logits = model.unembed(hidden).astype(jnp.float32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
 
 
-def sft_loss(policy, batch, *, frozen=None, rng=None, chunk: int = 0):
+def sft_loss(policy, batch, *, frozen=None, rng=None):
     """(sum of weighted token NLL, metrics) for a batch of tokens/positions/segment_ids/targets/weights."""
     out = policy(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"], return_hidden=True,
                  return_logits=False)
     w = batch["weights"].astype(jnp.float32)
-    nll = token_nll(policy, out.hidden[-1], batch["targets"], chunk)
+    nll = token_nll(policy, out.hidden[-1], batch["targets"])
     total = jnp.sum(nll * w)
     return total, {"denom": jnp.sum(w), "loss": total}

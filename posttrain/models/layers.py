@@ -112,12 +112,10 @@ def _split_bwd(axis, sizes, _, cts):
 split.defvjp(_split_fwd, _split_bwd)
 
 
-def lora_update(module, name: str, x, n_in_axes: int = 1):
+def lora_update(module, name: str, x):
     """The LoRA adapter's contribution for projection `name` of `module`, or None (see lora.py)."""
     lo = getattr(module, name + "_lora", None)
-    if lo is None or not lo.enabled:
-        return None
-    return lo(x, n_in_axes)
+    return None if lo is None else lo(x)
 
 
 def softcap(x, cap: Optional[float]):
@@ -182,7 +180,7 @@ class Attention(nnx.Module):
         b, t = out.shape[:2]  # one 2-D matmul: lets XLA keep the weight's layout (no per-call transpose)
         o = self.o[...].astype(dt)
         y = out.reshape(b, t, -1) @ o.reshape(-1, o.shape[-1])
-        if (d := lora_update(self, "o", out, 3)) is not None:
+        if (d := lora_update(self, "o", out)) is not None:
             y = y + d
         attn = None
         if return_attn:

@@ -5,16 +5,14 @@ What it is: `apply_lora(model, rank=..., alpha=..., dropout=..., targets=(...))`
 `gate_up`, `down`; regex search on the dotted path, e.g. `layers\\.0\\.attn\\.qkv`). The
 projection then computes x W + (alpha / rank) * dropout(x) A B (Hu et al., 2021), with B = 0
 at start so the adapted model equals the base. Adapter weights are `LoraParam`s, a Param
-subtype: the trainer trains `LoraParam` only and the base stays frozen; `adapters_off(model)`
-gives the base model itself (the DPO/KL reference, no copy); `merge_lora(model)` folds
-W + scale * A B into the base weights and removes the adapters (for export).
+subtype: the trainer trains `LoraParam` only and the base stays frozen; `merge_lora(model)`
+folds W + scale * A B into the base weights and removes the adapters (for export).
 
 What it is not: QLoRA (no quantised base) or DoRA.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from typing import Sequence
@@ -24,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.errors import PosttrainError
+from posttrain.models.transformer import count_params
 
 PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
@@ -45,11 +44,10 @@ class Lora(nnx.Module):
         self.b = LoraParam(jnp.zeros((rank, d_out), param_dtype))
         self.scale = alpha / rank
         self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
-        self.enabled = True
 
-    def __call__(self, x, n_in_axes: int):
-        """x [..., *in_shape] -> [..., *out_shape] low-rank update (zeros when disabled)."""
-        lead = x.shape[: x.ndim - n_in_axes]
+    def __call__(self, x):
+        """x [..., *in_shape] -> [..., *out_shape] low-rank update."""
+        lead = x.shape[: x.ndim - len(self.in_shape)]
         h = x.reshape(lead + (-1,))
         if self.dropout is not None:
             h = self.dropout(h)
@@ -96,23 +94,6 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.
     return model
 
 
-def lora_adapters(model):
-    return [m for _, m in nnx.iter_graph(model) if isinstance(m, Lora)]
-
-
-@contextlib.contextmanager
-def adapters_off(model):
-    """Inside this block the model computes with its base weights only (the reference model)."""
-    adapters = lora_adapters(model)
-    for a in adapters:
-        a.enabled = False
-    try:
-        yield model
-    finally:
-        for a in adapters:
-            a.enabled = True
-
-
 def merge_lora(model):
     """Fold every adapter into its base weight and remove it (in place); returns model."""
     for _, mod, name in list(_projection_owners(model)):
@@ -126,6 +107,4 @@ def merge_lora(model):
 
 
 def trainable_fraction(model) -> float:
-    n_lora = sum(x.size for x in jax.tree.leaves(nnx.state(model, LoraParam)))
-    n_all = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    return n_lora / n_all
+    return count_params(nnx.state(model, LoraParam)) / count_params(model)

@@ -89,9 +89,6 @@ class Checkpointer:
             self.manager.delete(step)
         return found
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
-
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
