@@ -303,9 +303,8 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
                     f"{path}: tensor shape mismatch for {shapes}; config.json implies {var.shape} for posttrain "
                     f"parameter {'.'.join(map(str, key))}. The weights do not belong to this config.json: "
                     "restore the checkpoint's own config.json or load matching weights")
-            value = jnp.asarray(value.astype(np.dtype(jnp.dtype(dtype))))
-            if shardings is not None:
-                value = put(value, shardings[key])
+            value = value.astype(np.dtype(jnp.dtype(dtype)))  # host array: placed once, sharded if a mesh
+            value = jnp.asarray(value) if shardings is None else put(value, shardings[key])
             var.set_value(value) if hasattr(var, "set_value") else setattr(var, "value", value)
     finally:
         for h in handles.values():
