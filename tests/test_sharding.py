@@ -249,6 +249,7 @@ def test_shard_state_optimizer_moments_follow_their_parameters():
     placed = sh.shard_state(state, mesh, rules)
     mu = placed.opt_state[0].mu
     assert param_specs(mu) == param_specs(placed.params) == expected_specs(state.params, "fsdp_tp", mesh)
+    _check_rules(param_specs(mu), "fsdp_tp")  # the preset's rules, written out independently
     assert _norm(placed.opt_state[0].count.sharding.spec) == ()
     assert _norm(placed.step.sharding.spec) == ()
     # plain arrays (no NNX metadata) are matched to the parameter by tree path and shape
@@ -300,6 +301,7 @@ def test_checkpoint_saved_under_fsdp_restores_under_tp(tmp_path):
     assert _max_diff(restored, state) == 0.0
     assert int(restored.step) == 0 and jax.tree.structure(restored) == jax.tree.structure(state)
     assert param_specs(restored.params) == expected_specs(state.params, "tp", tp)
+    _check_rules(param_specs(restored.params), "tp")
     assert param_specs(restored.opt_state[0].nu) == param_specs(restored.params)
     assert param_specs(restored.params)["layers.0.attn.qkv"] == (None, "tensor")
 

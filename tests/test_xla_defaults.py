@@ -13,7 +13,8 @@ def _flags_after(code: str, env_flags=None) -> str:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if env_flags is not None:
         env["XLA_FLAGS"] = env_flags
-    out = subprocess.run([sys.executable, "-c", code + "\nimport os; print('FLAGS=' + os.environ.get('XLA_FLAGS', ''))"],
+    code += "\nimport os; print('FLAGS=' + os.environ.get('XLA_FLAGS', ''))"
+    out = subprocess.run([sys.executable, "-c", code],
                          env=env, capture_output=True, text=True, check=True)
     return out.stdout.strip().splitlines()[-1].removeprefix("FLAGS=")
 
