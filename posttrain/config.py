@@ -368,16 +368,12 @@ class CheckpointSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MetricsSection:
     # Where metrics go: any of console, jsonl, tensorboard, prometheus.
-    sinks: tuple[str, ...] = ("console", "jsonl")
+    sinks: tuple[Literal["console", "jsonl", "tensorboard", "prometheus"], ...] = ("console", "jsonl")
     prometheus_host: str = "127.0.0.1"  # the exporter binds here (loopback unless you change it)
     prometheus_port: int = 9400  # HTTP port of the Prometheus exporter; 0 = pick a free port
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = measured once on CPU
 
     def __post_init__(self):
-        bad = set(self.sinks) - {"console", "jsonl", "tensorboard", "prometheus"}
-        if bad:
-            raise PosttrainError(f"metrics.sinks: unknown sink(s) {sorted(bad)}; choose from console, jsonl, "
-                                 "tensorboard, prometheus")
         if not 0 <= self.prometheus_port < 65536:
             raise PosttrainError(f"metrics.prometheus_port must be in [0, 65535], got {self.prometheus_port}")
 
