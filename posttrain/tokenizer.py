@@ -82,22 +82,27 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True):
-        """Render messages ([{'role': ..., 'content': ...}, ...]); ids if tokenize else the text."""
+    def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True,
+                            where: str = ""):
+        """Render messages ([{'role': ..., 'content': ...}, ...]); ids if tokenize else the text.
+
+        where: a prefix for error messages (e.g. 'train.jsonl:12')."""
+        at = f"{where}: " if where else ""
         if self.hf.chat_template is None:
             raise PosttrainError(
-                f"the tokenizer {self.hf.name_or_path or '(built in memory)'} has no chat template; "
+                f"{at}the tokenizer {self.hf.name_or_path or '(built in memory)'} has no chat template; "
                 f"add a chat_template.jinja file to its folder, or use plain-text prompts instead of messages"
             )
         if not messages:
-            raise PosttrainError("apply_chat_template got no messages; pass at least one {'role', 'content'} dict")
+            raise PosttrainError(f"{at}apply_chat_template got no messages; pass at least one "
+                                 "{'role', 'content'} dict")
         try:
             out = self.hf.apply_chat_template(
                 list(messages), add_generation_prompt=add_generation_prompt, tokenize=tokenize, return_dict=False
             )
         except jinja2.TemplateError as err:  # e.g. the template's own raise_exception on bad roles
             raise PosttrainError(
-                f"the chat template rejected these messages: {err}; fix the roles/contents of the conversation"
+                f"{at}the chat template rejected these messages: {err}; fix the roles/contents of the conversation"
             ) from err
         return list(out) if tokenize else out
 

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import re
 
-import jinja2
-
 from posttrain.errors import PosttrainError
 
 FORMATS = ("text", "prompt_completion", "messages", "conversational_prompt_completion")
@@ -164,19 +162,7 @@ def _messages(row: dict, field: str, where: str) -> list[dict]:
 
 
 def _render(tok, messages: list[dict], where: str, add_generation_prompt: bool) -> str:
-    if tok.hf.chat_template is None:
-        raise PosttrainError(
-            f"{where}: this row is a conversation but the tokenizer has no chat template; add a "
-            f"chat_template.jinja to the tokenizer folder, or convert the data to prompt/completion strings"
-        )
-    try:
-        return tok.hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
-    except jinja2.TemplateError as err:  # e.g. the template's raise_exception on an unexpected role order
-        raise PosttrainError(
-            f"{where}: the chat template rejected this conversation: {err}; fix its roles/contents"
-        ) from err
+    return tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False, where=where)
 
 
 def _render_empty(tok, where: str) -> str:
