@@ -55,8 +55,8 @@ def _plan(args) -> None:
     from posttrain import config as C
     from posttrain import sharding as sh
     from posttrain.models import load_config
-    from posttrain.plan import format_plan, plan
-    from posttrain.trainers.sft import build_tokenizer, preset_config
+    from posttrain.plan import format_plan
+    from posttrain.trainers.sft import build_tokenizer, memory_plan, preset_config
 
     cfg = C.load(C.SFTConfig, args.config, args.overrides)
     mc = cfg.model
@@ -75,13 +75,9 @@ def _plan(args) -> None:
         import jax
 
         n = jax.device_count()
-    name = cfg.sharding.preset or "dp"
-    mesh_shape = dict(zip(sh.MESH_AXES, sh.mesh_dims(name, n, shape)))
-    d = plan(model_cfg, batch=cfg.train.micro_batch_size or cfg.train.batch_size, seq_len=cfg.data.max_length,
-             mesh_shape=mesh_shape, preset=name, trainable="lora" if cfg.lora.enabled else "full",
-             remat=mc.remat, lora_rank=cfg.lora.rank, lora_targets=cfg.lora.targets)
+    mesh_shape = dict(zip(sh.MESH_AXES, sh.mesh_dims(cfg.sharding.preset or "dp", n, shape)))
     device_bytes = int(args.device_memory * 2**30) if args.device_memory else None
-    print(format_plan(d, device_bytes))
+    print(format_plan(memory_plan(cfg, model_cfg, mesh_shape), device_bytes))
 
 
 def _export(args) -> None:

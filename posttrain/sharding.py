@@ -254,10 +254,11 @@ def state_shardings(abstract_state, mesh: Mesh, rules: Optional[dict] = None):
 def tree_shardings(tree, mesh: Mesh, rules: Optional[dict] = None):
     """A NamedSharding for every variable / array of any pytree (NNX State, TrainState, optax state).
 
-    Variables tagged with logical names get their spec. Any other leaf (untagged variable, plain
-    array: e.g. an optimizer moment) takes the sharding of the tagged parameter sharing the
-    longest tail of its tree path and its shape (so Adam's mu / nu follow their parameter);
-    everything else (step counters, RNG keys, scalars) is replicated. The result is a pytree
+    Parameters get `param_spec` of their logical names, exactly as `state_shardings` gives them
+    (an untagged parameter, e.g. a LoRA adapter, gets the FALLBACK rule). Any other leaf (plain
+    array: e.g. an optimizer moment) takes the sharding of the parameter sharing the longest tail
+    of its tree path and its shape (so Adam's mu / nu follow their parameter); everything else
+    (step counters, RNG keys, scalars) is replicated. The result is a pytree
     prefix of `tree` (one sharding per variable), usable as jit `out_shardings`.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_var)
@@ -265,7 +266,7 @@ def tree_shardings(tree, mesh: Mesh, rules: Optional[dict] = None):
     specs: list = [None] * len(flat)
     for i, (path, leaf) in enumerate(flat):
         names = _names(leaf)
-        if names:
+        if names or isinstance(leaf, nnx.Param):
             shape = _shape(leaf)
             spec = param_spec(names, shape, rules, mesh.shape)
             specs[i] = spec
@@ -283,6 +284,18 @@ def tree_shardings(tree, mesh: Mesh, rules: Optional[dict] = None):
                     break
         specs[i] = spec
     return jax.tree_util.tree_unflatten(treedef, [NamedSharding(mesh, s) for s in specs])
+
+
+def to_host(x) -> np.ndarray:
+    """The whole value of `x` as numpy; an array spanning processes is gathered (a collective),
+    except a replicated one (e.g. a metric), which every process already holds whole."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
 
 
 def put(x, sharding: NamedSharding):

@@ -367,3 +367,20 @@ def test_from_pretrained_places_indivisible_checkpoints(hf_checkpoints):
     with sh.use_mesh(mesh, sh.DEFAULT_RULES):
         out = nnx.jit(lambda m, t, p: m(t, p).logits)(model, tokens, pos)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref(tokens, pos).logits), atol=1e-5)
+
+
+def test_untagged_lora_adapters_get_the_same_sharding_from_every_path():
+    """shard_state (trainer), state_shardings (loading) and the plan agree on LoRA adapters, which
+    carry no logical names: a large one takes the FALLBACK fsdp split everywhere."""
+    from posttrain.models.lora import LoraParam, apply_lora
+
+    mesh, rules = sh.make_mesh("fsdp"), sh.preset_rules("fsdp")
+    model = apply_lora(tiny_model(0, mlp_dim=4096), rank=32, targets=("gate_up",))
+    state = nnx.state(model, LoraParam)
+    b = state["layers"][0]["mlp"]["gate_up_lora"]["b"]
+    assert b.size >= sh.FALLBACK_MIN_ELEMENTS  # large enough for the fallback rule
+    via_trainer = param_specs(sh.shard_state(state, mesh, rules))
+    via_loader = {".".join(map(str, p)): _norm(v.spec)
+                  for p, v in nnx.to_flat_state(sh.state_shardings(state, mesh, rules))}
+    assert via_trainer == via_loader
+    assert via_trainer["layers.0.mlp.gate_up_lora.b"] == (None, "fsdp")

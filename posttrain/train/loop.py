@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator, Optional, Sequence
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
 from posttrain.errors import PosttrainError
+from posttrain.sharding import to_host
 
 
 class Hook:
@@ -36,16 +36,8 @@ class FnHook(Hook):
         self.fn(step, state, metrics)
 
 
-def host_value(x) -> np.ndarray:
-    """`x` on the host as numpy. An array spanning several processes (multi-process run) is read
-    from this process's first shard: fine for the replicated scalars that metrics are."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(x.addressable_data(0))
-    return np.asarray(jax.device_get(x))
-
-
 def _check_finite(metrics, step: int, max_nonfinite: int) -> None:
-    run = int(host_value(metrics["nonfinite_run"])) if "nonfinite_run" in metrics else 0
+    run = int(to_host(metrics["nonfinite_run"])) if "nonfinite_run" in metrics else 0
     if run >= max_nonfinite:
         raise PosttrainError(
             f"training halted at step {step}: loss or gradient was NaN/Inf in {run} consecutive steps (each "
@@ -85,7 +77,7 @@ def train_loop(step_fn, state, batches: Iterator[dict], *, steps: int, start_ste
         window_steps += 1
         last = step == steps
         if (log_every and step % log_every == 0) or last:
-            m = {k: float(host_value(v)) for k, v in metrics.items()}
+            m = {k: float(to_host(v)) for k, v in metrics.items()}
             elapsed = time.perf_counter() - window_start
             m.update(step=step, tokens_per_s=window_tokens / elapsed, step_time_s=elapsed / window_steps)
             if extra_metrics is not None:

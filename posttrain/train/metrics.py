@@ -3,11 +3,10 @@
 What it is: (1) sinks sharing one interface, `write(step, metrics)` and `close()`: JSONL file,
 TensorBoard (tensorboardX) and a Prometheus exporter; `make_sinks` builds the configured ones;
 (2) `Profiler`, which traces a window of steps with `jax.profiler` into a TensorBoard-readable
-folder; (3) model FLOPs per token (for MFU), a measured matmul peak, live device memory, and an
-up-front estimate of training memory (params, gradients, optimizer, activations, logits).
+folder; (3) model FLOPs per token (for MFU), a measured matmul peak and live device memory.
 What it is not: the progress bar ("console" is the loop's tqdm bar, so it has no sink object),
-a metrics aggregator (sinks write exactly the dict they get), or an exact memory planner: the
-activation estimate is an order-of-magnitude guide, not XLA's buffer assignment.
+a metrics aggregator (sinks write exactly the dict they get), or the up-front memory estimate
+(that is `posttrain.plan`, printed by the trainer before training).
 References: MFU as in PaLM (Chowdhery et al. 2022, appendix B); Prometheus text exposition.
 """
 
@@ -22,9 +21,6 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-
-GiB = 1024**3
 
 
 class Sink(Protocol):
@@ -234,63 +230,3 @@ def memory_stats() -> dict:
     import psutil
 
     return {"host_rss_bytes": int(psutil.Process().memory_info().rss)}
-
-
-def _leaves(tree):
-    from flax import nnx
-
-    if isinstance(tree, nnx.Module):
-        tree = nnx.state(tree, nnx.Param)
-    return jax.tree.leaves(tree)
-
-
-def _tree_bytes(tree) -> int:
-    return int(sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in _leaves(tree)))
-
-
-def estimate_memory(abstract_params, *, trainable_params, optimizer_slots: int = 2, batch: int,
-                    seq_len: int, cfg, micro_batches: int = 1, remat: bool = False) -> dict:
-    """Bytes a training step needs, by part, per model replica (before sharding).
-
-    abstract_params: the model (an nnx.Module, e.g. from `nnx.eval_shape`) or a pytree of arrays or
-    ShapeDtypeStructs; trainable_params: a pytree likewise, or a count (its gradients then take
-    `cfg.param_dtype`). Parts:
-      params      every parameter at its own dtype
-      gradients   trainable parameters at their dtype
-      optimizer   optimizer_slots float32 copies of the trainable parameters (AdamW: mu, nu)
-      activations saved for the backward pass, for one micro-batch of T = batch/micro_batches*seq_len
-                  tokens. Per layer per token, with itemsize s of cfg.dtype:
-                    s * (6*D + 2*(N+2K)*H + 3*F)   norms/residuals (~6 D-vectors), q,k,v and the
-                                                   attention output, gate/up/activated MLP
-                    + 2 * N * seq_len * 4          float32 attention scores and probabilities
-                  times L layers. With remat only one layer is live in the backward pass, plus each
-                  layer's input (s * D per layer per token) kept as the checkpoint.
-      logits      T * V * 4 * 2                    float32 logits and their gradient
-    """
-    D, L, N, K = cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
-    H, F, V = cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
-    s = np.dtype(jnp.dtype(cfg.dtype)).itemsize
-    if isinstance(trainable_params, (int, np.integer)):
-        n_train = int(trainable_params)
-        grads = n_train * np.dtype(jnp.dtype(cfg.param_dtype)).itemsize
-    else:
-        n_train = int(sum(int(np.prod(x.shape)) for x in _leaves(trainable_params)))
-        grads = _tree_bytes(trainable_params)
-    tokens = -(-batch // micro_batches) * seq_len  # ceil: a partial micro-batch still needs room
-    per_layer = s * (6 * D + 2 * (N + 2 * K) * H + 3 * F) + 2 * N * seq_len * 4
-    act_per_token = per_layer + L * s * D if remat else L * per_layer
-    out = {
-        "params": _tree_bytes(abstract_params),
-        "gradients": int(grads),
-        "optimizer": int(optimizer_slots * n_train * 4),
-        "activations": int(tokens * act_per_token),
-        "logits": int(tokens * V * 4 * 2),
-    }
-    out["total"] = sum(out.values())
-    return out
-
-
-def format_memory(d: dict) -> str:
-    """One `name: X.XX GiB` line per entry (byte counts in, human-readable out)."""
-    width = max((len(k) for k in d), default=0) + 1
-    return "\n".join(f"{k + ':':<{width}} {v / GiB:8.2f} GiB" for k, v in d.items())

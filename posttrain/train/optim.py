@@ -37,10 +37,11 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(cfg, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg, lr: optax.Schedule) -> optax.GradientTransformation:
+    """AdamW (decay masked off norms and biases) at the schedule `lr`, after global-norm clipping."""
     parts = []
     if cfg.max_grad_norm is not None:
         parts.append(optax.clip_by_global_norm(cfg.max_grad_norm))
-    parts.append(optax.adamw(schedule(cfg, total_steps), b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
+    parts.append(optax.adamw(lr, b1=cfg.beta1, b2=cfg.beta2, eps=cfg.eps,
                              weight_decay=cfg.weight_decay, mask=decay_mask))
     return optax.chain(*parts)

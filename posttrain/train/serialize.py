@@ -11,31 +11,21 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from safetensors.numpy import load_file, save_file
 
 from posttrain.errors import PosttrainError
+from posttrain.sharding import to_host
 
 
 def _key(path) -> str:
     return ".".join(str(getattr(k, "key", k)) for k in path)
 
 
-def _to_host(x) -> np.ndarray:
-    """The whole value of `x` as numpy; an array spanning processes is gathered (a collective)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        if x.is_fully_replicated:  # every process holds it whole: no communication needed
-            return np.asarray(x.addressable_data(0))
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
 def save_state(state: nnx.State, path: str) -> None:
     """Write `state` to `path`. In a multi-process run every process must call it (arrays that
     span processes are gathered, in the same order everywhere); only process 0 writes."""
-    flat = {_key(p): _to_host(v[...] if isinstance(v, nnx.Variable) else v) for p, v in nnx.to_flat_state(state)}
+    flat = {_key(p): to_host(v[...] if isinstance(v, nnx.Variable) else v) for p, v in nnx.to_flat_state(state)}
     if jax.process_index() != 0:
         return
     tmp = path + ".tmp"

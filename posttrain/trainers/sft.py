@@ -37,14 +37,13 @@ from posttrain.errors import PosttrainError
 from posttrain.losses import sft_loss
 from posttrain.models import Transformer, count_params, from_pretrained, preset, save_pretrained
 from posttrain.models.lora import LoraParam, apply_lora, merge_lora, trainable_fraction
+from posttrain.plan import format_plan, plan
 from posttrain.tokenizer import Tokenizer, byte_tokenizer
 from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule, train_loop
 from posttrain.train.checkpoint import Checkpointer
-from posttrain.train.loop import FnHook, host_value
+from posttrain.train.loop import FnHook
 from posttrain.train.metrics import (
     Profiler,
-    estimate_memory,
-    format_memory,
     make_sinks,
     memory_stats,
     mfu,
@@ -75,6 +74,14 @@ def preset_config(mc, tok: Tokenizer):
     """The ModelConfig of a preset model section: vocabulary sized to the tokenizer, dtypes, remat."""
     return preset(mc.preset, vocab_size=tok.vocab_size, param_dtype=mc.dtype,
                   dtype=mc.compute_dtype or mc.dtype, remat=mc.remat)
+
+
+def memory_plan(c, model_cfg, mesh_shape: dict) -> dict:
+    """`plan.plan` for a training config: one micro-batch, the config's preset, LoRA and remat."""
+    return plan(model_cfg, batch=c.train.micro_batch_size or c.train.batch_size, seq_len=c.data.max_length,
+                mesh_shape=mesh_shape, preset=c.sharding.preset or "dp",
+                trainable="lora" if c.lora.enabled else "full", remat=c.model.remat, lora_rank=c.lora.rank,
+                lora_targets=c.lora.targets)
 
 
 def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None) -> nnx.Module:
@@ -149,8 +156,8 @@ class SFTTrainer:
         bs = self.config.train.batch_size
         for i in range(0, len(arrays["tokens"]), bs):
             t, m = fn(state, self._place({k: v[i:i + bs] for k, v in arrays.items()}))
-            total, denom = total + float(host_value(t)), denom + float(host_value(m["denom"]))
-        return total / max(denom, 1.0)
+            total, denom = total + t, denom + m["denom"]  # summed on the device: one host read at the end
+        return float(sh.to_host(total)) / max(float(sh.to_host(denom)), 1.0)
 
     def _prepare_run_dir(self) -> None:
         """Fresh start, or check that the folder holds this same run (to resume it).
@@ -191,13 +198,14 @@ class SFTTrainer:
         metrics_path = os.path.join(c.run_dir, "metrics.jsonl")
         n_params = count_params(self.model)
         frac = trainable_fraction(self.model) if c.lora.enabled else 1.0
-        optimizer = make_optimizer(c.optim, c.train.steps)
+        lr = schedule(c.optim, c.train.steps)
+        optimizer = make_optimizer(c.optim, lr)
         graphdef, state = init_state(self.model, optimizer, trainable=self.trainable, seed=c.train.seed)
         if self.mesh is not None:  # optimizer state follows the parameters' shardings
             state = sh.shard_state(state, self.mesh, self.rules)
         micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)
         step = make_train_step(self.loss_fn, optimizer, graphdef, micro_batches=micro,
-                               schedule=schedule(c.optim, c.train.steps), trainable=self.trainable,
+                               schedule=lr, trainable=self.trainable,
                                mesh=self.mesh, rules=self.rules)
         data = iter(batches(self.train_examples, batch_size=c.train.batch_size, seq_len=c.data.max_length,
                             pad_id=tok.pad_id, packing=c.data.packing, seed=c.data.seed, shuffle=c.data.shuffle))
@@ -213,10 +221,9 @@ class SFTTrainer:
             _truncate_jsonl(metrics_path, start)  # a killed attempt may have logged past its last checkpoint
         _print(f"[sft] {len(self.train_examples)} examples ({self.data_stats}), {n_params:,} parameters, "
                f"trainable {frac:.2%}")
-        estimate = estimate_memory(self.model, trainable_params=state.params, batch=c.train.batch_size,
-                                   seq_len=c.data.max_length, cfg=self.model.cfg, micro_batches=micro,
-                                   remat=c.model.remat)
-        _print("[sft] memory estimate per model replica:\n" + format_memory(estimate))
+        mesh_shape = dict(self.mesh.shape) if self.mesh is not None else {}
+        estimate = memory_plan(c, self.model.cfg, mesh_shape)
+        _print("[sft] memory estimate (as `posttrain plan`):\n" + format_plan(estimate))
         result: dict = {}
         if start >= c.train.steps:
             ckpt.close()
@@ -236,7 +243,7 @@ class SFTTrainer:
             hooks.append(FnHook(c.train.eval_every, evaluate))
 
         def save(step_no, st, _m):
-            if int(host_value(st.nonfinite)) == 0:  # never checkpoint in the middle of a run of skipped (NaN) steps
+            if int(sh.to_host(st.nonfinite)) == 0:  # never checkpoint in the middle of a run of skipped (NaN) steps
                 ckpt.save(step_no, st, {"iterator": data.get_state()})
 
         hooks.append(FnHook(c.checkpoint.every, save))  # also after the last step
