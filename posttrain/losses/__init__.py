@@ -1,12 +1,33 @@
-"""Losses: pure functions (model and arrays in, (total, metrics) out).
+"""Losses: pure functions (model and arrays in, (loss, metrics) out).
 
 Convention shared by every loss: `loss_fn(policy, batch, *, frozen, rng) -> (total, metrics)`
 where `total` is a SUM over the loss's units (tokens for SFT, pairs for DPO) and
 `metrics["denom"]` counts those units. The train step divides by the summed denominator over
 all micro-batches, so gradient accumulation is exactly the full-batch gradient. Every other
 metric is a sum too and is divided by `denom` in the step.
+
+`preference` holds the per-pair building blocks of the preference trainers (sequence
+log-probabilities or scalar rewards in, per-pair losses and rewards out).
 """
 
+from posttrain.losses.preference import (
+    DPO_LOSS_TYPES,
+    bco_update_running_mean,
+    dpo_loss,
+    orpo_loss,
+    reward_loss,
+    simpo_loss,
+)
 from posttrain.losses.sft import sft_loss, token_nll
 
-__all__ = ["sft_loss", "token_nll"]
+__all__ = [
+    "sft_loss",
+    "token_nll",
+    # preference
+    "DPO_LOSS_TYPES",
+    "bco_update_running_mean",
+    "dpo_loss",
+    "orpo_loss",
+    "reward_loss",
+    "simpo_loss",
+]
