@@ -22,6 +22,7 @@ from flax import nnx
 
 from posttrain import sharding as sh
 from posttrain.errors import PosttrainError
+from posttrain.models.attention import choose
 from posttrain.models.config import ModelConfig
 
 KEYS = ("parameters", "optimizer", "gradients", "activations", "kv_cache")
@@ -71,8 +72,10 @@ def _activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, t: int, remat: 
     rows: sequences on this device; t: the tensor-parallel split of heads, mlp and vocab.
     Per layer and token (compute dtype): the residual input, two norm outputs, the attention
     output projection and residual (5 D); qkv, rotated q and k, attention output
-    ((K (G + 2) + 2 N + K) H / t); gate/up, activation and product (4 F / t); per query, the
-    float32 scores and compute-dtype probabilities over seq_len keys (N seq_len / t each).
+    ((K (G + 2) + 2 N + K) H / t); gate/up, activation and product (4 F / t); attention: on the
+    dense path (short rows, models/attention.py `choose`) the float32 scores and compute-dtype
+    probabilities over seq_len keys (N seq_len / t each), on the blockwise path only a float32
+    log-sum-exp per query and head (N / t): its tiles are recomputed in the backward pass.
     With remat only each layer's input (D) is kept, plus one layer's full set during its backward.
     The loss head adds float32 logits and their gradient (2 V / t per token) and the embeddings.
     """
@@ -80,7 +83,9 @@ def _activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, t: int, remat: 
     cb = jnp.dtype(cfg.dtype).itemsize
     tokens = rows * seq_len
     heads = _split((K * (cfg.groups + 2) + 2 * N + K) * H, t)
-    layer = (5 * D + heads + _split(4 * F, t)) * cb + _split(N * seq_len, t) * (4 + cb)
+    dense = choose("cpu", T=seq_len, S=seq_len, branches=False, softcap=False, cached=False) == "dense"
+    attn = _split(N * seq_len, t) * (4 + cb) if dense else _split(N, t) * 4
+    layer = (5 * D + heads + _split(4 * F, t)) * cb + attn
     layers = cfg.num_layers * D * cb + layer if remat else cfg.num_layers * layer
     head = 2 * _split(cfg.vocab_size, t) * 4 + D * cb
     return tokens * (layers + head)

@@ -68,7 +68,8 @@ def grow(cache: KVCache, size: int) -> KVCache:
         return jnp.concatenate([x, fill], axis=axis)
 
     return dataclasses.replace(cache, k=tuple(map(pad, cache.k)), v=tuple(map(pad, cache.v)),
-                               pos=pad(cache.pos, -1, axis=1))
+                               pos=pad(cache.pos, -1, axis=1),
+                               branch=None if cache.branch is None else pad(cache.branch, 0, axis=1))
 
 
 def default_buckets(max_len: int) -> tuple[int, ...]:
@@ -126,7 +127,7 @@ class Sampler:
         if n > 1:  # share each prompt's prefill across its n samples
             rep = functools.partial(jnp.repeat, repeats=n, axis=0)
             cache = dataclasses.replace(cache, k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)),
-                                        pos=rep(cache.pos))
+                                        pos=rep(cache.pos), branch=None if cache.branch is None else rep(cache.branch))
             logits, next_pos = rep(logits), rep(next_pos)
         R, P = logits.shape[0], cache.size
         ropes = model.rope_tables(P + max_new)  # every position is < prompt bucket + max_new

@@ -20,9 +20,10 @@ def token_nll(model, hidden, targets):
 
 
 def sft_loss(policy, batch, *, frozen=None, rng=None):
-    """(sum of weighted token NLL, metrics) for a batch of tokens/positions/segment_ids/targets/weights."""
-    out = policy(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"], return_hidden=True,
-                 return_logits=False)
+    """(sum of weighted token NLL, metrics) for a batch of tokens/positions/segment_ids/targets/weights
+    (and optionally branch_ids: prefix-shared rows, see models/attention.py)."""
+    out = policy(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
+                 branch_ids=batch.get("branch_ids"), return_hidden=True, return_logits=False)
     w = batch["weights"].astype(jnp.float32)
     nll = token_nll(policy, out.hidden[-1], batch["targets"])
     total = jnp.sum(nll * w)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posttrain.models.attention import attention
 from posttrain.models.config import ModelConfig, RopeConfig
 from posttrain.sharding import constrain, param
 
@@ -118,10 +118,6 @@ def lora_update(module, name: str, x):
     return None if lo is None else lo(x)
 
 
-def softcap(x, cap: Optional[float]):
-    return x if cap is None else jnp.tanh(x / cap) * cap
-
-
 class Attention(nnx.Module):
     """Grouped-query self-attention of one layer; reads and writes that layer's KV cache."""
 
@@ -143,9 +139,10 @@ class Attention(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
         self.scale = cfg.query_scale if cfg.query_scale is not None else H ** -0.5
         self.attn_softcap = cfg.attn_softcap
+        self.window = cfg.layer_window(layer)
 
-    def __call__(self, x, rope, mask, kv=None, write_index=None, return_attn=False):
-        """x [B,T,D], rope: this layer's (cos, sin) from `rope_cos_sin`, mask [B,T,S] bool.
+    def __call__(self, x, rope, layout, kv=None, write_index=None, return_attn=False):
+        """x [B,T,D], rope: this layer's (cos, sin) from `rope_cos_sin`, layout: the masking inputs (attention.py).
 
         kv: this layer's cache (k, v), each [B,K,S,H], or None to attend within x only.
         Returns (y [B,T,D], new kv or None, probs [B,N,T,S] or None).
@@ -172,11 +169,8 @@ class Attention(nnx.Module):
             k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), idx)
             v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), idx)
             kv = (k, v)
-        scores = jnp.einsum("btkgh,bksh->bkgts", q, k.astype(dt)).astype(jnp.float32) * self.scale
-        scores = softcap(scores, self.attn_softcap)
-        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        out = jnp.einsum("bkgts,bksh->btkgh", probs, v.astype(dt))
+        out, probs = attention(q, k, v, layout, window=self.window, scale=self.scale, cap=self.attn_softcap,
+                               return_probs=return_attn)
         b, t = out.shape[:2]  # one 2-D matmul: lets XLA keep the weight's layout (no per-call transpose)
         o = self.o[...].astype(dt)
         y = out.reshape(b, t, -1) @ o.reshape(-1, o.shape[-1])
@@ -230,11 +224,10 @@ class Block(nnx.Module):
             self.post_attn_norm, self.post_mlp_norm = RMSNorm(D, **norm), RMSNorm(D, **norm)
         else:
             self.post_attn_norm = self.post_mlp_norm = None
-        self.window = cfg.layer_window(layer)
         self.rope = cfg.layer_rope(layer)  # static: the Transformer passes this RopeConfig's (cos, sin)
 
-    def __call__(self, x, rope, mask, kv=None, write_index=None, return_attn=False):
-        h, kv, attn = self.attn(self.attn_norm(x), rope, mask, kv, write_index, return_attn)
+    def __call__(self, x, rope, layout, kv=None, write_index=None, return_attn=False):
+        h, kv, attn = self.attn(self.attn_norm(x), rope, layout, kv, write_index, return_attn)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h

@@ -1,13 +1,15 @@
 """The one decoder-only Transformer (Flax NNX), driven by a ModelConfig; forward only.
 
-`Transformer(tokens, positions, *, cache=None, segment_ids=None, return_hidden=False,
+`Transformer(tokens, positions, *, cache=None, segment_ids=None, branch_ids=None, return_hidden=False,
 return_attn=False)` returns a `ModelOutput`. What it is not: a sampler (see `posttrain.generate`)
 or a loss (see `posttrain.losses`).
 
-Masking rule, the same with and without a cache: a query attends a key slot when the slot holds
-a real token (segment id != 0 / cache position >= 0), the slot is not after the query (causal by
-slot index), both belong to the same segment (packing), and, on sliding-window layers, the key's
-position is within `sliding_window` positions of the query's (query included).
+Masking rule, the same with and without a cache (`models/attention.py` holds it and the
+implementations): a query attends a key slot when the slot holds a real token (segment id != 0 /
+cache position >= 0), the slot is not after the query (causal by slot index), both belong to the
+same segment (packing), the key is in the shared prefix (branch 0) or the query's own branch
+(prefix-shared rows), and, on sliding-window layers, the key's position is within
+`sliding_window` positions of the query's (query included).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.models.attention import Layout, softcap
 from posttrain.models.config import ModelConfig
-from posttrain.models.layers import Block, RMSNorm, rope_cos_sin, softcap
+from posttrain.models.layers import Block, RMSNorm, rope_cos_sin
 from posttrain.sharding import constrain, param
 
 
@@ -31,12 +34,14 @@ class KVCache:
 
     pos [B, S] int32: the position of the token in each slot, -1 for an empty or padding slot.
     index: scalar int32, the next slot to write (the same for every row: prompts are left-padded).
+    branch [B, S] int32 or None: the branch id of each slot, kept once a call passes branch_ids.
     """
 
     k: tuple
     v: tuple
     pos: jax.Array
     index: jax.Array
+    branch: Optional[jax.Array] = None
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, size: int, dtype=None) -> "KVCache":
@@ -56,16 +61,6 @@ class ModelOutput(NamedTuple):
     cache: Optional[KVCache]  # updated cache when one was passed
     hidden: Optional[tuple]  # L + 1 states [B, T, D]: embeddings, then each layer; the last after the final norm
     attn: Optional[tuple]  # L attention probabilities [B, N, T, S]
-
-
-def attention_mask(q_pos, k_pos, q_slot, k_slot, q_seg=None, k_seg=None, window=None):
-    """[B, T, S] bool mask; see the module docstring. k_pos < 0 marks an empty slot."""
-    m = (k_pos[:, None, :] >= 0) & (k_slot[None, None, :] <= q_slot[None, :, None])
-    if q_seg is not None:
-        m &= q_seg[:, :, None] == k_seg[:, None, :]
-    if window is not None:
-        m &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
-    return m
 
 
 class Transformer(nnx.Module):
@@ -112,28 +107,33 @@ class Transformer(nnx.Module):
         """(cos, sin) [B, T, H] for `positions` [B, T], per RopeConfig the layers use."""
         return {r: rope_cos_sin(positions, r, self.cfg.head_dim) for r in {b.rope for b in self.layers}}
 
-    def __call__(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None,
+    def __call__(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None, branch_ids=None,
                  return_hidden=False, return_attn=False, return_logits=True, rope_tables=None) -> ModelOutput:
-        """tokens, positions: [B, T] int; segment_ids: [B, T] int (0 = padding) or None.
+        """tokens, positions: [B, T] int; segment_ids: [B, T] int (0 = padding) or None;
+        branch_ids: [B, T] int (0 = shared prefix, b > 0 = continuation b of a prefix-shared row) or None.
 
         rope_tables: from `rope_tables(n)` with every position < n, or None to compute RoPE here."""
         B, T = tokens.shape
         positions = positions.astype(jnp.int32)
-        q_slot = jnp.arange(T, dtype=jnp.int32)
+        real_pos = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, -1)
+        slots = jnp.arange(T, dtype=jnp.int32)
+        new_branch = None if branch_ids is None else branch_ids.astype(jnp.int32)
         if cache is None:
-            k_pos, k_slot, write = positions, q_slot, None
-            if segment_ids is not None:
-                k_pos = jnp.where(segment_ids != 0, positions, -1)
-            seg = segment_ids
+            layout = Layout(real_pos, real_pos, slots, slots, segment_ids, segment_ids, new_branch, new_branch,
+                            causal_aligned=True)
+            k_pos = k_branch = None
         else:
             write = cache.index
-            new_pos = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, -1)
-            k_pos = jax.lax.dynamic_update_slice(cache.pos, new_pos, (0, write))
-            q_slot = q_slot + write
-            k_slot = jnp.arange(cache.size, dtype=jnp.int32)
-            seg = None  # a cache holds one sequence per row: no packing
-        masks = {w: attention_mask(positions, k_pos, q_slot, k_slot, seg, seg, w)
-                 for w in {blk.window for blk in self.layers}}
+            k_pos = jax.lax.dynamic_update_slice(cache.pos, real_pos, (0, write))
+            k_branch = cache.branch
+            if new_branch is not None:  # a cache holds one sequence per row (no segments), maybe branched
+                k_branch = jnp.zeros_like(cache.pos) if k_branch is None else k_branch
+                k_branch = jax.lax.dynamic_update_slice(k_branch, new_branch, (0, write))
+            elif k_branch is not None:  # new tokens without ids continue the shared prefix's view
+                new_branch = jnp.zeros((B, T), jnp.int32)
+                k_branch = jax.lax.dynamic_update_slice(k_branch, new_branch, (0, write))
+            layout = Layout(real_pos, k_pos, slots + write, jnp.arange(cache.size, dtype=jnp.int32),
+                            q_branch=new_branch, k_branch=k_branch)
         if rope_tables is None:
             ropes = self._ropes(positions)
         else:
@@ -146,9 +146,10 @@ class Transformer(nnx.Module):
         for i, blk in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             if remat:  # training path: keep only each layer's input for the backward pass
-                x, kv, attn = nnx.remat(lambda b, h, r, m: b(h, r, m))(blk, x, ropes[blk.rope], masks[blk.window])
+                x, kv, attn = nnx.remat(lambda b, h, r, m: b(h, r, m))(blk, x, ropes[blk.rope], layout)
             else:
-                x, kv, attn = blk(x, ropes[blk.rope], masks[blk.window], kv, write, return_attn)
+                x, kv, attn = blk(x, ropes[blk.rope], layout, kv, None if cache is None else cache.index,
+                                  return_attn)
             if cache is not None:
                 ks.append(kv[0])
                 vs.append(kv[1])
@@ -156,7 +157,7 @@ class Transformer(nnx.Module):
             attns.append(attn)
         x = self.final_norm(x)
         hidden[-1] = x
-        new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs), k_pos, cache.index + T)
+        new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs), k_pos, cache.index + T, k_branch)
         return ModelOutput(
             logits=self.unembed(x) if return_logits else None,
             cache=new_cache,

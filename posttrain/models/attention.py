@@ -1,0 +1,340 @@
+"""The one attention of the model: its masking rule, and the implementations chosen by backend and shape.
+
+Masking rule (the only one; `Layout` carries its inputs): a query attends a key when
+  - the key slot holds a real token (k_pos >= 0; padding and empty cache slots are -1),
+  - the key's slot is not after the query's slot (causal by slot index),
+  - both are in the same segment (packing; segment 0 is padding),
+  - the key is in the shared prefix (branch 0) or in the query's own branch (prefix-shared rows:
+    a prompt once, then k continuations as branches 1..k, each attending the prompt and itself),
+  - on sliding-window layers, q_pos - k_pos < window (by position, query included).
+A query with no key to attend outputs zeros.
+
+Implementations, all giving the same outputs and gradients (tests/test_attention.py):
+  - "dense": float32 scores, the [B, T, S] mask, softmax. The reference; used for decode steps
+    (T = 1), short rows, and when attention probabilities are asked for.
+  - "blockwise": online softmax over [block_q x block_k] tiles with a custom VJP that recomputes
+    each tile's probabilities in the backward pass from the saved log-sum-exp (FlashAttention-2,
+    arXiv 2307.08691), so no [T, S] tensor is kept. Tiles no query may attend (above the causal
+    diagonal, between segments or branches, outside the window) are skipped: the causal triangle
+    statically, the rest from per-tile summaries of positions, segments and branches, so the loop
+    runs over active tiles only. Prefix-shared rows therefore cost no attention between branches.
+  - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` on NVIDIA GPUs for layouts it
+    expresses (no branches, no soft-capping, no cache).
+`choose` picks one from the backend and the static layout facts; it is unit-tested on CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NEG = -1e30  # running-max floor: finite, so exp(NEG - NEG) never makes a NaN
+BLOCK = 256  # tile size (queries and keys); measured fastest of 128/256/512 on 2 CPU cores
+DENSE_MAX = 512  # rows no longer than this use the dense path (one tile's worth of work or two)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Layout:
+    """What the masking rule reads, per query [B, T] and per key [B, S] (int32).
+
+    q_pos / k_pos: positions, -1 for padding (queries) and empty or padding slots (keys).
+    q_slot [T] / k_slot [S]: slot indices (causal order), the same for every row.
+    q_seg / k_seg: segment ids (packing) or None; q_branch / k_branch: branch ids or None.
+    causal_aligned (static): queries are keys 0..T-1 (no cache): the causal triangle of tiles
+    is known at trace time.
+    """
+
+    q_pos: jax.Array
+    k_pos: jax.Array
+    q_slot: jax.Array
+    k_slot: jax.Array
+    q_seg: Optional[jax.Array] = None
+    k_seg: Optional[jax.Array] = None
+    q_branch: Optional[jax.Array] = None
+    k_branch: Optional[jax.Array] = None
+    causal_aligned: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+    def mask(self, window: Optional[int]) -> jax.Array:
+        """The [B, T, S] bool mask."""
+        return _mask(self.q_pos, self.k_pos, self.q_slot, self.k_slot, self.q_seg, self.k_seg,
+                     self.q_branch, self.k_branch, window)
+
+
+def _mask(q_pos, k_pos, q_slot, k_slot, q_seg, k_seg, q_br, k_br, window):
+    m = (k_pos[:, None, :] >= 0) & (k_slot[None, None, :] <= q_slot[None, :, None])
+    if q_seg is not None:
+        m &= q_seg[:, :, None] == k_seg[:, None, :]
+    if q_br is not None:
+        m &= (k_br[:, None, :] == 0) | (k_br[:, None, :] == q_br[:, :, None])
+    if window is not None:
+        m &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
+    return m
+
+
+def softcap(x, cap: Optional[float]):
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+# ------------------------------------------------------------------------------------------ entry point
+
+
+def attention(q, k, v, layout: Layout, *, window: Optional[int], scale: float, cap: Optional[float],
+              impl: str = "auto", return_probs: bool = False):
+    """q [B,T,K,G,H]; k, v [B,K,S,H]. Returns (out [B,T,K,G,H] in q's dtype, probs [B,K,G,T,S] or None)."""
+    if impl == "auto":
+        impl = choose(jax.default_backend(), T=q.shape[1], S=k.shape[2], branches=layout.q_branch is not None,
+                      softcap=cap is not None, cached=not layout.causal_aligned, return_probs=return_probs)
+    if impl == "dense" or return_probs:
+        return dense(q, k, v, layout.mask(window), scale=scale, cap=cap, return_probs=return_probs)
+    if impl == "cudnn":
+        return _cudnn(q, k, v, layout, window=window, scale=scale), None
+    if impl != "blockwise":
+        raise ValueError(f"unknown attention implementation {impl!r}")
+    return blockwise(q, k, v, layout, window=window, scale=scale, cap=cap), None
+
+
+def choose(backend: str, *, T: int, S: int, branches: bool, softcap: bool, cached: bool,
+           return_probs: bool = False) -> str:
+    """The implementation for these static facts (see the module docstring)."""
+    if return_probs or T == 1 or max(T, S) <= DENSE_MAX:
+        return "dense"
+    if backend == "gpu" and not (branches or softcap or cached):
+        return "cudnn"
+    return "blockwise"
+
+
+# ------------------------------------------------------------------------------------------ dense
+
+
+def dense(q, k, v, mask, *, scale, cap, return_probs=False):
+    """The reference: float32 scores, masked softmax; rows with nothing to attend output 0."""
+    dt = q.dtype
+    s = jnp.einsum("btkgh,bksh->bkgts", q, k.astype(dt)).astype(jnp.float32) * scale
+    s = softcap(s, cap)
+    s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bksh->btkgh", p, v.astype(dt))
+    out = jnp.where(jnp.any(mask, -1)[:, :, None, None, None], out, 0)
+    return out, (p if return_probs else None)
+
+
+# ------------------------------------------------------------------------------------------ blockwise
+
+
+def _pad(x, axis, n, value=0):
+    extra = n - x.shape[axis]
+    if extra == 0:
+        return x
+    fill = jnp.full(x.shape[:axis] + (extra,) + x.shape[axis + 1:], value, x.dtype)
+    return jnp.concatenate([x, fill], axis=axis)
+
+
+def blockwise(q, k, v, layout: Layout, *, window, scale, cap, block_q: Optional[int] = None,
+              block_k: Optional[int] = None):
+    """Tiled attention with skipped tiles and a recomputing backward pass; equals `dense`."""
+    B, T = q.shape[:2]
+    S = k.shape[2]
+    bq, bk = min(block_q or BLOCK, T), min(block_k or BLOCK, S)
+    Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
+    lay = _padded_layout(layout, Tp, Sp)
+    q, k, v = _pad(q, 1, Tp), _pad(k, 2, Sp), _pad(v, 2, Sp)
+    nq, nk = Tp // bq, Sp // bk
+    if layout.causal_aligned and bq == bk:  # tiles above the diagonal can never be attended
+        pairs = [(i, j) for i in range(nq) for j in range(nk) if j <= i]
+    else:
+        pairs = [(i, j) for i in range(nq) for j in range(nk)]
+    pi, pj = np.array(pairs, np.int32).T
+    active = _active_tiles(lay, window, bq, bk)[pi, pj]  # [P]
+    count = jnp.sum(active, dtype=jnp.int32)
+    order = jnp.nonzero(active, size=len(pairs), fill_value=0)[0]
+    tiles = (jnp.asarray(pi)[order], jnp.asarray(pj)[order], count)
+    out = _flash(q, k, v, lay, tiles, (window, scale, cap, bq, bk))
+    return out[:, :T]
+
+
+def _padded_layout(lay: Layout, Tp: int, Sp: int) -> Layout:
+    T, S = lay.q_pos.shape[1], lay.k_pos.shape[1]
+
+    def slots(x, n):
+        return jnp.concatenate([x, x[-1] + 1 + jnp.arange(n - x.shape[0], dtype=x.dtype)]) if n > x.shape[0] else x
+
+    return Layout(
+        q_pos=_pad(lay.q_pos, 1, Tp, -1), k_pos=_pad(lay.k_pos, 1, Sp, -1),
+        q_slot=slots(lay.q_slot, Tp), k_slot=slots(lay.k_slot, Sp),
+        q_seg=None if lay.q_seg is None else _pad(lay.q_seg, 1, Tp),
+        k_seg=None if lay.k_seg is None else _pad(lay.k_seg, 1, Sp),
+        q_branch=None if lay.q_branch is None else _pad(lay.q_branch, 1, Tp),
+        k_branch=None if lay.k_branch is None else _pad(lay.k_branch, 1, Sp),
+        causal_aligned=lay.causal_aligned and T == S and Tp == Sp)
+
+
+def _active_tiles(lay: Layout, window, bq: int, bk: int) -> jax.Array:
+    """[nq, nk] bool: may any query of tile i attend any key of tile j in some row? (conservative)
+
+    From per-tile summaries: slot range (causal), real keys, segment and branch ranges (packed
+    segments and branches increase along a row), and the smallest query minus the largest key
+    position (window)."""
+    B, Tp = lay.q_pos.shape
+    big = jnp.int32(2 ** 30)
+
+    def tiles(x, b):
+        return x.reshape(x.shape[0], -1, b)
+
+    q_real, k_real = tiles(lay.q_pos >= 0, bq), tiles(lay.k_pos >= 0, bk)
+
+    def rng(x, real, b):  # per-tile (min, max) over real tokens
+        x = tiles(x, b)
+        return jnp.where(real, x, big).min(-1), jnp.where(real, x, -big).max(-1)
+
+    q_slot_max = lay.q_slot.reshape(-1, bq).max(-1)
+    k_slot_min = lay.k_slot.reshape(-1, bk).min(-1)
+    act = (k_slot_min[None, None, :] <= q_slot_max[None, :, None]) & k_real.any(-1)[:, None, :]
+    act &= q_real.any(-1)[:, :, None]
+    if lay.q_seg is not None:
+        qlo, qhi = rng(lay.q_seg, q_real, bq)
+        klo, khi = rng(lay.k_seg, k_real, bk)
+        act &= (qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None])
+    if lay.q_branch is not None:
+        kb = tiles(lay.k_branch, bk)
+        has_prefix = (k_real & (kb == 0)).any(-1)
+        qlo, qhi = rng(lay.q_branch, q_real, bq)
+        klo, khi = rng(lay.k_branch, k_real & (kb != 0), bk)
+        act &= has_prefix[:, None, :] | ((qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None]))
+    if window is not None:
+        qlo, _ = rng(lay.q_pos, q_real, bq)
+        _, khi = rng(lay.k_pos, k_real, bk)
+        act &= (qlo[:, :, None] - khi[:, None, :]) < window
+    return act.any(0)
+
+
+def _tile_mask(lay: Layout, window, i, j, bq, bk):
+    def qs(x):
+        return jax.lax.dynamic_slice_in_dim(x, i * bq, bq, axis=x.ndim - 1)
+
+    def ks(x):
+        return jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=x.ndim - 1)
+
+    opt = lambda f, x: None if x is None else f(x)  # noqa: E731
+    return _mask(qs(lay.q_pos), ks(lay.k_pos), qs(lay.q_slot), ks(lay.k_slot), opt(qs, lay.q_seg),
+                 opt(ks, lay.k_seg), opt(qs, lay.q_branch), opt(ks, lay.k_branch), window)
+
+
+def _tile_scores(qb, kb, m, scale, cap):
+    """float32 scores [B,K,G,bq,bk] of a tile (soft-capped), -inf where masked; and tanh for the VJP."""
+    s = jnp.einsum("bkgth,bksh->bkgts", qb, kb).astype(jnp.float32) * scale
+    t = None
+    if cap is not None:
+        t = jnp.tanh(s / cap)
+        s = t * cap
+    return jnp.where(m[:, None, None], s, -jnp.inf), t
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, lay, tiles, static):
+    return _flash_fwd(q, k, v, lay, tiles, static)[0]
+
+
+def _flash_fwd(q, k, v, lay, tiles, static):
+    window, scale, cap, bq, bk = static
+    B, Tp, K, G, H = q.shape
+    dt = q.dtype
+    k, v = k.astype(dt), v.astype(dt)
+    qt = jnp.transpose(q, (0, 2, 3, 1, 4))  # [B,K,G,Tp,H]: tiles are slices of one axis, no per-tile transpose
+    ti, tj, count = tiles
+    f32 = jnp.float32
+
+    def body(c, carry):
+        m, den, acc = carry
+        i, j = ti[c], tj[c]
+        qb = jax.lax.dynamic_slice_in_dim(qt, i * bq, bq, axis=3)
+        kb = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+        vb = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
+        s, _ = _tile_scores(qb, kb, _tile_mask(lay, window, i, j, bq, bk), scale, cap)
+        m_old = jax.lax.dynamic_slice_in_dim(m, i * bq, bq, axis=3)
+        l_old = jax.lax.dynamic_slice_in_dim(den, i * bq, bq, axis=3)
+        a_old = jax.lax.dynamic_slice_in_dim(acc, i * bq, bq, axis=3)
+        m_new = jnp.maximum(m_old, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        corr = jnp.exp(m_old - m_new)
+        l_new = l_old * corr + p.sum(-1)
+        a_new = a_old * corr[..., None] + jnp.einsum("bkgts,bksh->bkgth", p.astype(dt), vb).astype(f32)
+        m = jax.lax.dynamic_update_slice_in_dim(m, m_new, i * bq, axis=3)
+        den = jax.lax.dynamic_update_slice_in_dim(den, l_new, i * bq, axis=3)
+        acc = jax.lax.dynamic_update_slice_in_dim(acc, a_new, i * bq, axis=3)
+        return m, den, acc
+
+    init = (jnp.full((B, K, G, Tp), NEG, f32), jnp.zeros((B, K, G, Tp), f32), jnp.zeros((B, K, G, Tp, H), f32))
+    m, den, acc = jax.lax.fori_loop(0, count, body, init)
+    safe = jnp.where(den > 0, den, 1.0)
+    out = jnp.where((den > 0)[..., None], acc / safe[..., None], 0.0)
+    lse = m + jnp.log(safe)
+    out = jnp.transpose(out, (0, 3, 1, 2, 4)).astype(dt)  # [B,Tp,K,G,H]
+    return out, (qt, k, v, lay, tiles, out, lse)
+
+
+def _flash_bwd(static, res, dout):
+    window, scale, cap, bq, bk = static
+    qt, k, v, lay, tiles, out, lse = res  # qt [B,K,G,Tp,H]
+    dt = qt.dtype
+    f32 = jnp.float32
+    ti, tj, count = tiles
+    # D = rowsum(dO * O): the softmax Jacobian's diagonal term, one per query and head
+    d = jnp.transpose(jnp.sum(dout.astype(f32) * out.astype(f32), -1), (0, 2, 3, 1))  # [B,K,G,Tp]
+    dout = jnp.transpose(dout.astype(dt), (0, 2, 3, 1, 4))
+
+    def body(c, carry):
+        dq, dk, dv = carry
+        i, j = ti[c], tj[c]
+        qb = jax.lax.dynamic_slice_in_dim(qt, i * bq, bq, axis=3)
+        dob = jax.lax.dynamic_slice_in_dim(dout, i * bq, bq, axis=3)
+        kb = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
+        vb = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
+        s, t = _tile_scores(qb, kb, _tile_mask(lay, window, i, j, bq, bk), scale, cap)
+        p = jnp.exp(s - jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[..., None])  # 0 where masked
+        dp = jnp.einsum("bkgth,bksh->bkgts", dob, vb).astype(f32)
+        ds = p * (dp - jax.lax.dynamic_slice_in_dim(d, i * bq, bq, axis=3)[..., None])
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        ds = (ds * scale).astype(dt)
+        dv_j = jnp.einsum("bkgts,bkgth->bksh", p.astype(dt), dob).astype(f32)
+        dk_j = jnp.einsum("bkgts,bkgth->bksh", ds, qb).astype(f32)
+        dq_i = jnp.einsum("bkgts,bksh->bkgth", ds, kb).astype(f32)
+        dq = jax.lax.dynamic_update_slice_in_dim(
+            dq, jax.lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + dq_i, i * bq, axis=3)
+        dk = jax.lax.dynamic_update_slice_in_dim(
+            dk, jax.lax.dynamic_slice_in_dim(dk, j * bk, bk, axis=2) + dk_j, j * bk, axis=2)
+        dv = jax.lax.dynamic_update_slice_in_dim(
+            dv, jax.lax.dynamic_slice_in_dim(dv, j * bk, bk, axis=2) + dv_j, j * bk, axis=2)
+        return dq, dk, dv
+
+    init = (jnp.zeros(qt.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
+    dq, dk, dv = jax.lax.fori_loop(0, count, body, init)
+    dq = jnp.transpose(dq, (0, 3, 1, 2, 4))  # back to [B,Tp,K,G,H]
+    return dq.astype(dt), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+
+
+def _cudnn(q, k, v, layout: Layout, *, window, scale):
+    """cuDNN flash attention through jax.nn for causal (+ segments as a mask, + window) layouts."""
+    B, T, K, G, H = q.shape
+    qh = q.reshape(B, T, K * G, H)
+    kt, vt = jnp.swapaxes(k, 1, 2).astype(q.dtype), jnp.swapaxes(v, 1, 2).astype(q.dtype)  # [B,S,K,H]
+    mask = None
+    if layout.q_seg is not None:
+        mask = (layout.q_seg[:, :, None] == layout.k_seg[:, None, :]) & (layout.k_pos[:, None, :] >= 0)
+        mask = mask[:, None]
+    out = jax.nn.dot_product_attention(qh, kt, vt, mask=mask, scale=scale, is_causal=True,
+                                       local_window_size=None if window is None else (window - 1, 0),
+                                       implementation="cudnn")
+    return out.reshape(B, T, K, G, H)

@@ -1,0 +1,289 @@
+"""Attention: the blockwise path equals the dense reference (outputs and gradients) on every layout;
+tile skipping; implementation choice; prefix-shared rows through the model equal the unshared rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_models import FAMILIES
+
+from posttrain.models import KVCache, from_pretrained
+from posttrain.models import attention as A
+
+B, K, G, H = 2, 2, 2, 8
+
+
+def _qkv(T, S, seed=0):
+    r = np.random.default_rng(seed)
+    q = r.normal(size=(B, T, K, G, H)).astype(np.float32)
+    k = r.normal(size=(B, K, S, H)).astype(np.float32)
+    v = r.normal(size=(B, K, S, H)).astype(np.float32)
+    return jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+
+
+def _layout(T, *, pad=None, segments=None, branches=None):
+    """No-cache layout: pad = real lengths (right padding); segments / branches: [B, T] lists."""
+    pos = np.broadcast_to(np.arange(T), (B, T)).copy()
+    seg = None
+    if pad is not None:
+        seg = (np.arange(T)[None] < np.asarray(pad)[:, None]).astype(np.int32)
+    if segments is not None:
+        seg = np.asarray(segments, np.int32)
+        for b in range(B):  # positions restart in each segment
+            for s in set(seg[b].tolist()) - {0}:
+                idx = np.nonzero(seg[b] == s)[0]
+                pos[b, idx] = np.arange(len(idx))
+    br = None
+    if branches is not None:
+        br = np.asarray(branches, np.int32)
+        for b in range(B):  # each branch's positions start right after the prefix
+            p0 = int((br[b] == 0).sum())
+            for k in set(br[b].tolist()) - {0}:
+                idx = np.nonzero(br[b] == k)[0]
+                pos[b, idx] = p0 + np.arange(len(idx))
+    real = pos if seg is None else np.where(seg != 0, pos, -1)
+    j = lambda x: None if x is None else jnp.asarray(x)  # noqa: E731
+    slots = jnp.arange(T, dtype=jnp.int32)
+    return A.Layout(j(real), j(real), slots, slots, j(seg), j(seg), j(br), j(br), causal_aligned=True)
+
+
+def _branch_ids(T, prefix, sizes):
+    row = [0] * prefix
+    for i, n in enumerate(sizes):
+        row += [i + 1] * n
+    row += [0] * (T - len(row))
+    return row
+
+
+LAYOUTS = {
+    "causal": dict(),
+    "padded": dict(pad=[37, 21]),
+    "packed": dict(segments=[[1] * 15 + [2] * 20 + [3] * 5 + [0] * 5, [1] * 44 + [0]]),
+    "branches": dict(branches=[_branch_ids(45, 13, [9, 16, 7]), _branch_ids(45, 20, [25])]),
+    "branches_padded": dict(branches=[_branch_ids(45, 13, [9, 16]), _branch_ids(45, 20, [25])], pad=[38, 45]),
+}
+
+
+def _both(q, k, v, lay, window, cap, tile, seed=1):
+    """(out, grads) of the dense reference and of blockwise, for a random output cotangent."""
+    ct = jnp.asarray(np.random.default_rng(seed).normal(size=q.shape).astype(np.float32))
+    kw = dict(scale=H ** -0.5, cap=cap)
+
+    def dense(q, k, v):
+        return A.dense(q, k, v, lay.mask(window), **kw)[0]
+
+    def tiled(q, k, v):
+        return A.blockwise(q, k, v, lay, window=window, block_q=tile, block_k=tile, **kw)
+
+    res = []
+    for f in (dense, tiled):
+        out, vjp = jax.vjp(jax.jit(f), q, k, v)
+        res.append((out, vjp(ct)))
+    return res
+
+
+CASES = [("causal", None, None), ("padded", 6, None), ("packed", None, None), ("packed", 6, 5.0),
+         ("branches", None, 5.0), ("branches", 6, None), ("branches_padded", None, None)]
+
+
+@pytest.mark.parametrize("name,window,cap", CASES)
+def test_blockwise_equals_dense(name, window, cap):
+    T = 45  # not a multiple of the tile: exercises padded tiles
+    q, k, v = _qkv(T, T)
+    (o1, g1), (o2, g2) = _both(q, k, v, _layout(T, **LAYOUTS[name]), window, cap, tile=8)
+    np.testing.assert_allclose(o2, o1, atol=1e-5, rtol=0)
+    for a, b in zip(g2, g1):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert float(jnp.abs(g1[0]).max()) > 0  # gradients are not trivially zero
+
+
+def test_empty_rows_output_zero():
+    """A query with nothing to attend (padding) outputs 0 on both paths."""
+    T = 24
+    q, k, v = _qkv(T, T)
+    lay = _layout(T, pad=[10, 24])
+    (o1, _), (o2, _) = _both(q, k, v, lay, None, None, tile=8)
+    assert float(jnp.abs(o1[0, 10:]).max()) == 0.0 and float(jnp.abs(o2[0, 10:]).max()) == 0.0
+
+
+def test_tiles_skipped_between_branches_and_above_diagonal():
+    """The active-tile map: causal triangle, and no tile between two branches."""
+    T, bt = 64, 16
+    lay = _layout(T, branches=[_branch_ids(T, 16, [16, 32])] * B)
+    act = np.asarray(A._active_tiles(lay, None, bt, bt))
+    # tiles: 0 prefix, 1 branch 1, 2-3 branch 2
+    expect = np.array([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], bool)
+    np.testing.assert_array_equal(act, expect)
+    win = np.asarray(A._active_tiles(_layout(T), 4, bt, bt))  # window 4 < tile: only the diagonal + one below
+    assert win.sum() == 4 + 3 and np.all(np.diag(win))
+
+
+def test_cached_prefill_blockwise_equals_dense():
+    """With a cache (queries at slots write..write+T of a larger cache, empty slots after)."""
+    T, S, write = 40, 64, 8
+    q, k, v = _qkv(T, S, seed=3)
+    pos = np.full((B, S), -1, np.int32)
+    pos[:, :write + T] = np.arange(write + T)
+    pos[1, :5] = -1  # left padding in row 1
+    lay = A.Layout(jnp.asarray(pos[:, write:write + T]), jnp.asarray(pos), write + jnp.arange(T), jnp.arange(S))
+    (o1, g1), (o2, g2) = _both(q, k, v, lay, 7, None, tile=16)
+    np.testing.assert_allclose(o2, o1, atol=1e-5, rtol=0)
+    for a, b in zip(g2, g1):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_choose():
+    kw = dict(branches=False, softcap=False, cached=False)
+    assert A.choose("cpu", T=1, S=4096, **kw) == "dense"
+    assert A.choose("cpu", T=256, S=256, **kw) == "dense"
+    assert A.choose("cpu", T=2048, S=2048, **kw) == "blockwise"
+    assert A.choose("cpu", T=2048, S=2048, return_probs=True, **kw) == "dense"
+    assert A.choose("gpu", T=2048, S=2048, **kw) == "cudnn"
+    assert A.choose("gpu", T=2048, S=2048, branches=True, softcap=False, cached=False) == "blockwise"
+    assert A.choose("gpu", T=2048, S=2048, branches=False, softcap=True, cached=False) == "blockwise"
+    assert A.choose("gpu", T=2048, S=2048, branches=False, softcap=False, cached=True) == "blockwise"
+    assert A.choose("tpu", T=2048, S=2048, **kw) == "blockwise"
+
+
+# ---------------------------------------------------------------------------------- through the model
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Force the blockwise path with 8-token tiles on the tiny test rows."""
+    monkeypatch.setattr(A, "DENSE_MAX", 4)
+    monkeypatch.setattr(A, "BLOCK", 8)
+
+
+def _shared_and_unshared(prompt, branches):
+    """One prefix-shared row and the unshared rows (prompt + each branch), with the slot map."""
+    toks = list(prompt) + [t for b in branches for t in b]
+    pos = list(range(len(prompt))) + [len(prompt) + i for b in branches for i in range(len(b))]
+    bid = [0] * len(prompt) + [i + 1 for i, b in enumerate(branches) for _ in b]
+    L = max(len(prompt) + len(b) for b in branches)
+    rows = np.zeros((len(branches), L), np.int32)
+    seg = np.zeros((len(branches), L), np.int32)
+    for i, b in enumerate(branches):
+        n = len(prompt) + len(b)
+        rows[i, :n] = list(prompt) + list(b)
+        seg[i, :n] = 1
+    upos = np.broadcast_to(np.arange(L), rows.shape)
+    return (np.asarray([toks]), np.asarray([pos]), np.asarray([bid])), (rows, upos, seg)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_prefix_shared_row_equals_unshared_rows(hf_checkpoints, family, small_tiles):
+    """Logits of every branch token in one shared row equal those of prompt + branch as its own row."""
+    model = from_pretrained(hf_checkpoints[family])
+    r = np.random.default_rng(0)
+    prompt = r.integers(3, 97, 11).tolist()
+    branches = [r.integers(3, 97, n).tolist() for n in (9, 13, 6)]
+    (st, sp, sb), (ut, up, us) = _shared_and_unshared(prompt, branches)
+    shared = np.asarray(model(jnp.asarray(st), jnp.asarray(sp), branch_ids=jnp.asarray(sb)).logits)[0]
+    unshared = np.asarray(model(jnp.asarray(ut), jnp.asarray(up), segment_ids=jnp.asarray(us)).logits)
+    P, off = len(prompt), len(prompt)
+    np.testing.assert_allclose(shared[:P], unshared[0, :P], atol=1e-5, rtol=0)
+    for i, b in enumerate(branches):
+        np.testing.assert_allclose(shared[off:off + len(b)], unshared[i, P:P + len(b)], atol=1e-5, rtol=0)
+        off += len(b)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_prefix_shared_gradients_equal_unshared(hf_checkpoints, family, small_tiles):
+    """d/dweights of the summed branch-token log-probs: shared row == unshared rows (blockwise backward)."""
+    from flax import nnx
+
+    model = from_pretrained(hf_checkpoints[family])
+    graphdef, params = nnx.split(model)
+    r = np.random.default_rng(1)
+    prompt = r.integers(3, 97, 10).tolist()
+    branches = [r.integers(3, 97, n).tolist() for n in (12, 7)]
+    (st, sp, sb), (ut, up, us) = _shared_and_unshared(prompt, branches)
+    P = len(prompt)
+    # targets: each branch token scored from the previous slot of ITS OWN sequence
+    src, tgt = [], []
+    off = P
+    for b in branches:
+        prev = [P - 1] + list(range(off, off + len(b) - 1))
+        src += prev
+        tgt += b
+        off += len(b)
+    usrc = [(i, P - 1 + j) for i, b in enumerate(branches) for j in range(len(b))]
+    utgt = [t for b in branches for t in b]
+
+    def shared_loss(p):
+        lp = jax.nn.log_softmax(nnx.merge(graphdef, p)(st, sp, branch_ids=sb).logits[0])
+        return lp[jnp.asarray(src), jnp.asarray(tgt)].sum()
+
+    def unshared_loss(p):
+        lp = jax.nn.log_softmax(nnx.merge(graphdef, p)(ut, up, segment_ids=us).logits)
+        rows, cols = zip(*usrc)
+        return lp[jnp.asarray(rows), jnp.asarray(cols), jnp.asarray(utgt)].sum()
+
+    v1, g1 = jax.value_and_grad(shared_loss)(params)
+    v2, g2 = jax.value_and_grad(unshared_loss)(params)
+    np.testing.assert_allclose(v1, v2, atol=1e-4, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_branched_cache_decode_equals_unshared(hf_checkpoints, family, small_tiles):
+    """Prefill a shared row into a KV cache, then decode the next token of branch 2: same logits as
+    decoding after prompt + branch 2 alone."""
+    model = from_pretrained(hf_checkpoints[family])
+    r = np.random.default_rng(2)
+    prompt = r.integers(3, 97, 9).tolist()
+    branches = [r.integers(3, 97, n).tolist() for n in (10, 8)]
+    (st, sp, sb), (ut, up, us) = _shared_and_unshared(prompt, branches)
+    nxt = 5
+    n = st.shape[1]
+    cache = model(jnp.asarray(st), jnp.asarray(sp), branch_ids=jnp.asarray(sb),
+                  cache=KVCache.init(model.cfg, 1, 48)).cache
+    pos2 = len(prompt) + len(branches[1])
+    got = model(jnp.asarray([[nxt]]), jnp.asarray([[pos2]]), branch_ids=jnp.asarray([[2]]), cache=cache).logits
+    row = list(prompt) + branches[1] + [nxt]
+    ref = model(jnp.asarray([row]), jnp.asarray([list(range(len(row)))])).logits
+    assert n == len(prompt) + 18
+    np.testing.assert_allclose(np.asarray(got)[0, 0], np.asarray(ref)[0, -1], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------- memory
+
+
+def _train_temp_bytes(T, monkeypatch=None):
+    """XLA's temporary memory of the compiled full fine-tune step of a small model on 1 x T tokens."""
+    import optax
+    from flax import nnx
+
+    from posttrain.losses import sft_loss
+    from posttrain.models import ModelConfig, Transformer
+    from posttrain.train import init_state, make_train_step
+
+    cfg = ModelConfig(vocab_size=97, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      mlp_dim=96)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    opt = optax.adamw(1e-4)
+    graphdef, state = init_state(model, opt)
+    step = make_train_step(sft_loss, opt, graphdef)
+    i32 = jax.ShapeDtypeStruct((1, T), jnp.int32)
+    batch = dict(tokens=i32, positions=i32, segment_ids=i32, targets=i32,
+                 weights=jax.ShapeDtypeStruct((1, T), jnp.float32))
+    return step.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+
+
+def test_train_step_memory_grows_linearly(monkeypatch):
+    """2048 -> 8192 tokens: temporaries grow ~4x (linear), where dense attention grows ~16x; the plan's
+    activation estimate follows the blockwise path."""
+    from posttrain.models import ModelConfig
+    from posttrain.plan import plan
+
+    small, big = _train_temp_bytes(2048), _train_temp_bytes(8192)
+    assert big / small < 5.0, (small, big)
+    cfg = ModelConfig(vocab_size=97, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                      mlp_dim=96)
+    act = [plan(cfg, batch=1, seq_len=T, mesh_shape={}, preset="dp")["activations"] for T in (2048, 8192)]
+    assert act[1] == 4 * act[0]
+    monkeypatch.setattr(A, "DENSE_MAX", 1 << 20)  # the dense path, for contrast: quadratic
+    dense_small, dense_big = _train_temp_bytes(1024), _train_temp_bytes(4096)
+    assert dense_big / dense_small > 8.0, (dense_small, dense_big)
