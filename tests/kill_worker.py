@@ -10,12 +10,12 @@ import os
 import signal
 import sys
 
-import posttrain.trainers.sft as sft
+import posttrain.train.lifecycle as lifecycle
 from posttrain.cli import main
 from posttrain.train.loop import FnHook
 
 kill_at = int(sys.argv[1])
-real_loop = sft.train_loop
+real_loop = lifecycle.train_loop
 
 
 def loop_with_kill(*args, hooks=(), **kw):
@@ -26,5 +26,5 @@ def loop_with_kill(*args, hooks=(), **kw):
     return real_loop(*args, hooks=list(hooks) + [FnHook(1, kill)], **kw)
 
 
-sft.train_loop = loop_with_kill
+lifecycle.train_loop = loop_with_kill
 sys.exit(main(["sft"] + sys.argv[2:]))

@@ -14,6 +14,7 @@ DATA = os.path.join(HERE, "data", "sft_prompt_completion.jsonl")
 
 
 def test_sinks_profiler_and_mfu_during_a_run(tmp_path, monkeypatch):
+    import posttrain.train.lifecycle as lifecycle
     import posttrain.trainers.sft as sft_mod
 
     run_dir = str(tmp_path / "run")
@@ -23,7 +24,7 @@ def test_sinks_profiler_and_mfu_during_a_run(tmp_path, monkeypatch):
         "metrics.sinks=[jsonl,tensorboard,prometheus]", "metrics.prometheus_port=0",
         "profile.start_step=2", "profile.num_steps=2"])
     sinks, scraped = [], {}
-    real_make, real_loop = sft_mod.make_sinks, sft_mod.train_loop
+    real_make, real_loop = lifecycle.make_sinks, lifecycle.train_loop
 
     def make(*a, **kw):
         sinks.extend(real_make(*a, **kw))
@@ -37,8 +38,8 @@ def test_sinks_profiler_and_mfu_during_a_run(tmp_path, monkeypatch):
 
         return real_loop(*a, hooks=list(hooks) + [FnHook(1, scrape)], **kw)
 
-    monkeypatch.setattr(sft_mod, "make_sinks", make)
-    monkeypatch.setattr(sft_mod, "train_loop", loop)
+    monkeypatch.setattr(lifecycle, "make_sinks", make)
+    monkeypatch.setattr(lifecycle, "train_loop", loop)
     result = sft_mod.SFTTrainer(cfg, progress=False).train()
 
     text = scraped["text"]

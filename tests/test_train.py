@@ -13,7 +13,7 @@ from posttrain.losses import sft_loss
 from posttrain.models import Transformer, from_pretrained, preset, save_pretrained
 from posttrain.models.lora import LoraParam, apply_lora, merge_lora, trainable_fraction
 from posttrain.tokenizer import byte_tokenizer
-from posttrain.train import decay_mask, init_state, make_train_step, merge, schedule
+from posttrain.train import decay_mask, init_state, make_train_step, merge, schedule, train_loop
 
 TINY = dict(vocab_size=97, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128)
 
@@ -48,6 +48,21 @@ def test_loss_halves_on_a_fixed_batch():
         state, m = step(state, batch)
         losses.append(float(m["loss"]))
     assert losses[-1] < 0.5 * losses[0], losses[::10]
+
+
+def test_train_loop_feeds_a_callable_batch_source_the_current_state():
+    """The RL hook: a callable batch source is called before each step with the current state."""
+    seen = []
+
+    def source(state):
+        seen.append(int(state))
+        return {"x": np.full((2,), float(state))}
+
+    def step(state, batch):
+        return state + 1, {"loss": jnp.mean(batch["x"])}
+
+    state, history = train_loop(step, jnp.int32(0), source, steps=3, log_every=1, progress=False)
+    assert seen == [0, 1, 2] and int(state) == 3 and [m["loss"] for m in history] == [0.0, 1.0, 2.0]
 
 
 def test_gradient_accumulation_equals_full_batch():

@@ -10,7 +10,7 @@ What it is not: a trainer recipe (see `posttrain.trainers`).
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -45,7 +45,7 @@ def _check_finite(metrics, step: int, max_nonfinite: int) -> None:
             "data, or raise train.max_nonfinite")
 
 
-def train_loop(step_fn, state, batches: Iterator[dict], *, steps: int, start_step: int = 0,
+def train_loop(step_fn, state, batches: Iterable[dict] | Callable[..., dict], *, steps: int, start_step: int = 0,
                log_every: int = 10, sinks: Sequence = (), hooks: Sequence[Hook] = (), progress: bool = True,
                frozen=None, max_nonfinite: int = 3, profiler=None, extra_metrics: Optional[Callable] = None,
                place_batch: Optional[Callable] = None):
@@ -53,16 +53,24 @@ def train_loop(step_fn, state, batches: Iterator[dict], *, steps: int, start_ste
 
     extra_metrics(m) -> dict adds host-side figures (MFU, memory) to each logged record;
     place_batch(batch) puts a host batch on the devices (sharded over the mesh's batch axes; in a
-    multi-process run it keeps this process's rows). `batches` yields global batches: tokens/s
-    counts the global batch's tokens.
+    multi-process run it keeps this process's rows). `batches` gives global batches (tokens/s
+    counts the global batch's tokens): an iterable, or a callable `batches(state) -> batch` called
+    before each step with the current state (RL: rollouts sampled with the current weights).
     """
-    it = iter(batches)
+    if callable(batches):
+        next_batch = batches
+    else:
+        it = iter(batches)
+
+        def next_batch(_state):
+            return next(it)
+
     history = []
     bar = tqdm(total=steps, initial=start_step, disable=not progress, dynamic_ncols=True, unit="step")
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
     prev = None
     for step in range(start_step + 1, steps + 1):
-        batch = next(it)
+        batch = next_batch(state)
         window_tokens += int(np.count_nonzero(batch["segment_ids"])) if "segment_ids" in batch else 0
         if place_batch is not None:
             batch = place_batch(batch)

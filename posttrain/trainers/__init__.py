@@ -1,1 +1,1 @@
-"""Trainer recipes: thin compositions of data, loss, train step and loop (SFT so far)."""
+"""Trainer recipes: config, data -> batches and loss over `train.lifecycle.run_trainer` (SFT so far)."""

@@ -1,0 +1,233 @@
+"""The one trainer lifecycle: everything around the train step that every trainer shares.
+
+What it is: `run_trainer(config, state, step, batches, ...)` runs one training run in
+`config.run_dir`. It checks the folder (a fresh start, or the same config so it can resume;
+process 0 writes config.yaml), restores the newest readable checkpoint (train state + the batch
+source's position), drops metrics logged after that checkpoint, builds the metric sinks and the
+profiler, steps `train_loop` with an evaluation hook and a checkpoint hook, and writes the final
+trainable weights (`trainable.safetensors`). Process 0 alone prints and writes files; every
+process joins checkpoint saves / restores and the final gather. Also here: `check_processes`
+(the config fits the processes; call it before anything is written), `place_batch` (a host batch
+on the devices) and `make_eval` (the denom-weighted loss over a fixed eval set).
+
+A trainer recipe is then its config (with the shared run_dir / train / checkpoint / metrics /
+profile / sharding sections), its data -> batches and its loss:
+
+    graphdef, state = init_state(model, optimizer, trainable=...)
+    step = make_train_step(my_loss, optimizer, graphdef, ...)
+    state, result = run_trainer(config, state, step, batches, name="dpo", flops_per_token=...)
+
+`batches` is where each step's host batch comes from, with a checkpointable position
+(`get_state()` -> a JSON-able dict, `set_state(dict)`) so a resumed run continues exactly:
+  - an iterator of batches (SFT, DPO, reward model: `iter(grain_dataset)`), or
+  - a callable `batches(state) -> batch`, called before every step with the current TrainState
+    (RL: sample rollouts with the current weights, score them, return the rows to train on);
+    its get_state / set_state save and restore the prompt stream's position.
+A frozen model (DPO reference, distillation teacher) is bound into the step:
+`step=lambda s, b: raw_step(s, b, frozen)`.
+
+What it is not: the loop (`train.loop`), the checkpoint format (`train.checkpoint`), or a recipe
+(`posttrain.trainers`).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import multihost_utils
+
+from posttrain import config as C
+from posttrain import sharding as sh
+from posttrain.errors import PosttrainError
+from posttrain.train.checkpoint import Checkpointer
+from posttrain.train.loop import FnHook, train_loop
+from posttrain.train.metrics import Profiler, make_sinks, memory_stats, mfu, peak_flops
+from posttrain.train.serialize import save_state
+from posttrain.train.step import TrainState, merge
+
+WEIGHTS = "trainable.safetensors"
+
+
+def run_trainer(config, state: TrainState, step: Callable, batches, *, name: str, flops_per_token: float,
+                evaluate: Optional[Callable[[TrainState], dict]] = None, mesh=None, rules=None,
+                summary: str = "", progress: bool = True) -> tuple[TrainState, dict]:
+    """Train `state` with the jitted `step(state, batch)` up to `config.train.steps`; (state, result).
+
+    `name` prefixes printed lines (`[sft] ...`); `summary` is printed once the run is resumed or
+    started; `flops_per_token` (training FLOPs per token) gives the logged MFU; `evaluate(state)
+    -> metrics` runs every `train.eval_every` steps and after the last one, and its metrics go to
+    the sinks and the result. `result`: the last logged metrics plus `first_loss`, `seconds` and
+    the last evaluation, or `{"step", "finished": True, "seconds"}` when the run folder already
+    holds a finished run (the returned state is then the restored one).
+    """
+    c = config
+    t0 = time.perf_counter()
+    main = sh.is_main_process()  # the process that writes files and prints
+    _prepare_run_dir(c)
+    ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), keep=c.checkpoint.keep,
+                        async_save=c.checkpoint.async_save)
+    start = 0
+    restored = ckpt.restore_latest(state) if c.checkpoint.resume else None
+    if restored is not None:
+        start, state, data_state, _ = restored
+        batches.set_state(data_state["iterator"])
+        _print(f"[{name}] resuming {c.run_dir} from the checkpoint at step {start}")
+    if main:  # a killed attempt may have logged past its last checkpoint
+        _truncate_jsonl(os.path.join(c.run_dir, "metrics.jsonl"), start)
+    if summary:
+        _print(summary)
+    if start >= c.train.steps:
+        ckpt.close()
+        _print(f"[{name}] {c.run_dir} already finished ({start} steps); nothing to do")
+        return state, {"step": start, "finished": True, "seconds": time.perf_counter() - t0}
+
+    sinks = make_sinks(c.metrics, c.run_dir, is_main_process=main)
+    result: dict = {}
+    hooks = []
+    if evaluate is not None:
+        def run_eval(step_no, st, _m):
+            metrics = evaluate(st)
+            result.update(metrics)
+            for sink in sinks:
+                sink.write(step_no, metrics)
+
+        hooks.append(FnHook(c.train.eval_every, run_eval))
+
+    def save(step_no, st, _m):
+        if int(sh.to_host(st.nonfinite)) == 0:  # never checkpoint in the middle of a run of skipped (NaN) steps
+            ckpt.save(step_no, st, {"iterator": batches.get_state()})
+
+    hooks.append(FnHook(c.checkpoint.every, save))  # also after the last step
+    peak = peak_flops(c.metrics)
+    n_dev = 1 if mesh is None else mesh.devices.size
+
+    def extra(m):
+        return {"mfu": mfu(m["tokens_per_s"], flops_per_token, peak, n_dev), **memory_stats()}
+
+    profiler = None
+    if c.profile.start_step:
+        profiler = Profiler(c.profile.start_step, c.profile.num_steps, os.path.join(c.run_dir, "profile"))
+    try:
+        state, history = train_loop(step, state, batches, steps=c.train.steps, start_step=start,
+                                    log_every=c.train.log_every, sinks=sinks, hooks=hooks,
+                                    progress=main and progress and "console" in c.metrics.sinks,
+                                    max_nonfinite=c.train.max_nonfinite, profiler=profiler,
+                                    extra_metrics=extra if main else None,
+                                    place_batch=functools.partial(place_batch, mesh=mesh, rules=rules))
+    finally:
+        ckpt.close()  # waits for an asynchronous save in flight
+        for sink in sinks:
+            sink.close()
+        if profiler is not None:
+            profiler.close()
+    save_state(state.params, os.path.join(c.run_dir, WEIGHTS))  # every process joins; process 0 writes
+    result.update(history[-1] if history else {})
+    result.update(first_loss=history[0]["loss"] if history else None, seconds=time.perf_counter() - t0)
+    return state, result
+
+
+def check_processes(config) -> None:
+    """Raise unless the run can be split over the processes (call it before anything is written)."""
+    n_proc = jax.process_count()
+    if n_proc > 1 and config.sharding.preset is None:
+        raise PosttrainError(f"{n_proc} processes but sharding.preset is not set; a multi-process run needs a "
+                             "mesh over all processes' devices, e.g. sharding.preset=dp")
+    if config.train.batch_size % n_proc:
+        raise PosttrainError(f"train.batch_size={config.train.batch_size} must be a multiple of the {n_proc} "
+                             "processes (each feeds an equal share of every global batch)")
+
+
+def place_batch(batch: dict, mesh=None, rules=None) -> dict:
+    """A host batch on the devices: sharded over the mesh's batch axes, or on the default device.
+
+    With several processes each holds the same global batch and places its own contiguous rows."""
+    if mesh is None:
+        return {k: jnp.asarray(v) for k, v in batch.items()}
+    n, i = jax.process_count(), jax.process_index()
+    if n == 1:
+        return sh.shard_batch(batch, mesh, rules)
+    rows = len(next(iter(batch.values())))
+    if rows % n:
+        raise PosttrainError(f"a batch of {rows} rows cannot be split evenly over {n} processes; make "
+                             f"train.batch_size (and the eval set's last, partial batch) a multiple of {n}")
+    per = rows // n
+    return sh.shard_batch({k: v[i * per:(i + 1) * per] for k, v in batch.items()}, mesh, rules,
+                          process_local=True)
+
+
+def make_eval(loss_fn: Callable, graphdef, arrays: dict, *, batch_size: int, mesh=None,
+              rules=None) -> Callable[[TrainState], float]:
+    """`evaluate(state) -> float`: the loss over host `arrays` ([N, ...] each) in batches of
+    `batch_size` rows, as summed totals over summed `denom` (the loss convention); jitted once."""
+
+    def loss(st, b):
+        with sh.use_mesh(mesh, rules):
+            return loss_fn(merge(graphdef, st), b)
+
+    fn = jax.jit(loss)
+    rows = len(next(iter(arrays.values())))
+
+    def evaluate(state) -> float:
+        total = denom = 0.0
+        for i in range(0, rows, batch_size):
+            t, m = fn(state, place_batch({k: v[i:i + batch_size] for k, v in arrays.items()}, mesh, rules))
+            total, denom = total + t, denom + m["denom"]  # summed on the device: one host read at the end
+        return float(sh.to_host(total)) / max(float(sh.to_host(denom)), 1.0)
+
+    return evaluate
+
+
+def _prepare_run_dir(c) -> None:
+    """Fresh start, or check that the folder holds this same run (to resume it).
+
+    Every process checks (so all raise alike); process 0 alone writes, the others wait for it."""
+    multi = jax.process_count() > 1
+    saved = os.path.join(c.run_dir, "config.yaml")
+    if os.path.isfile(saved) and c.checkpoint.resume:
+        before = C.to_dict(C.load(type(c), saved))
+        now = C.to_dict(c)
+        before.pop("checkpoint", None)
+        now.pop("checkpoint", None)
+        if before != now:
+            diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+            raise PosttrainError(f"{saved}: run_dir holds a run with a different config (sections {diff}); "
+                                 "use a new run_dir, or checkpoint.resume=false to start this one afresh")
+    if multi:  # nobody still reads config.yaml when process 0 rewrites it
+        multihost_utils.sync_global_devices("posttrain:run_dir checked")
+    if sh.is_main_process():
+        if os.path.isdir(c.run_dir) and not c.checkpoint.resume:
+            for name in ("checkpoints", "metrics.jsonl", WEIGHTS, "tensorboard", "profile"):
+                path = os.path.join(c.run_dir, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+        os.makedirs(c.run_dir, exist_ok=True)
+        C.save(c, saved)
+    if multi:
+        multihost_utils.sync_global_devices("posttrain:run_dir ready")
+
+
+def _print(*args) -> None:
+    """print on process 0 only (the one that logs)."""
+    if sh.is_main_process():
+        print(*args)
+
+
+def _truncate_jsonl(path: str, last_step: int) -> None:
+    """Drop records logged after `last_step` (a killed run logged them; the resumed run logs them again)."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as fh:
+        keep = [ln for ln in fh if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        fh.writelines(keep)
+    os.replace(tmp, path)
