@@ -15,7 +15,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ensure_checkpoint, med, parse_args, write  # noqa: E402
 
-args = parse_args()
+args = parse_args([(("--only-batch",), dict(action="store_true", help="only --batch (no batch 32, no groups)"))])
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -46,7 +46,7 @@ def main():
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "shape": dict(batch=args.batch, prompt=args.prompt, new=args.new)}
     greedy = SamplingParams(max_new_tokens=args.new, temperature=0.0)
-    for b, key in ((args.batch, ""), (32, "_b32")):
+    for b, key in ((args.batch, ""),) + (() if args.only_batch else ((32, "_b32"),)):
         prompts = [[1] + rng.integers(3, args.vocab, args.prompt - 1).tolist() for _ in range(b)]
         out, first, s = timed(sampler, prompts, greedy, args.reps)
         assert (out.lengths == args.new).all()
@@ -55,6 +55,8 @@ def main():
         res[f"gen_tok_s{key}"] = b * args.new / s["median"]
         print(f"[posttrain generate] {b}x({args.prompt}+{args.new}) {s['median']:.3f} s -> "
               f"{b * args.new / s['median']:.0f} new tok/s (first call {first:.2f} s)", flush=True)
+    if args.only_batch:
+        return write(res, args.json)
     # group sampling: one prompt x 8 samples vs 8 different prompts, temperature 1
     one = [[1] + rng.integers(3, args.vocab, args.prompt - 1).tolist()]
     eight = [[1] + rng.integers(3, args.vocab, args.prompt - 1).tolist() for _ in range(8)]

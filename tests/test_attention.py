@@ -135,7 +135,8 @@ def test_cached_prefill_blockwise_equals_dense():
 def test_choose():
     kw = dict(branches=False, softcap=False, cached=False)
     assert A.choose("cpu", T=1, S=4096, **kw) == "dense"
-    assert A.choose("cpu", T=256, S=256, **kw) == "dense"
+    assert A.choose("cpu", T=64, S=64, **kw) == "dense"
+    assert A.choose("cpu", T=256, S=256, **kw) == "blockwise"
     assert A.choose("cpu", T=2048, S=2048, **kw) == "blockwise"
     assert A.choose("cpu", T=2048, S=2048, return_probs=True, **kw) == "dense"
     assert A.choose("gpu", T=2048, S=2048, **kw) == "cudnn"

@@ -34,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 NEG = -1e30  # running-max floor: finite, so exp(NEG - NEG) never makes a NaN
-BLOCK = 256  # tile size (queries and keys); measured fastest of 128/256/512 on 2 CPU cores
-DENSE_MAX = 512  # rows no longer than this use the dense path (one tile's worth of work or two)
+TILE_WORK = 65536  # rows x tile^2: the tile is the largest of 64/128/256 within it (measured on 2 CPU cores:
+#                   8 x 256 -> 64, 4 x 512 -> 128, 1 x 2048 -> 256 were each the fastest tile, 2-5x the dense path)
+BLOCK = None  # a fixed tile size instead (tests set it)
+DENSE_MAX = 64  # rows no longer than this use the dense path
 
 
 @jax.tree_util.register_dataclass
@@ -140,7 +142,8 @@ def blockwise(q, k, v, layout: Layout, *, window, scale, cap, block_q: Optional[
     """Tiled attention with skipped tiles and a recomputing backward pass; equals `dense`."""
     B, T = q.shape[:2]
     S = k.shape[2]
-    bq, bk = min(block_q or BLOCK, T), min(block_k or BLOCK, S)
+    tile = BLOCK or max([64] + [t for t in (64, 128, 256) if B * t * t <= TILE_WORK])
+    bq, bk = min(block_q or tile, T), min(block_k or tile, S)
     Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
     lay = _padded_layout(layout, Tp, Sp)
     q, k, v = _pad(q, 1, Tp), _pad(k, 2, Sp), _pad(v, 2, Sp)
