@@ -30,8 +30,9 @@ LIBS = ("posttrain", "torch", "tunix")
 
 def command(lib, kind, batch, length, args):
     """argv of one benchmark process and the JSON key of its figure."""
-    common = ["--threads", str(args.threads), "--ckpt", args.ckpt, "--batch", str(batch), "--steps", "3",
-              "--reps", str(args.reps)]
+    steps = ["--steps", "3"] if kind == "train" else []
+    common = ["--threads", str(args.threads), "--ckpt", args.ckpt, "--batch", str(batch), "--reps", str(args.reps)]
+    common += steps
     shape = ["--seq", str(length)] if kind == "train" else ["--prompt", str(length), "--new", str(args.new)]
     apy = os.path.join(os.environ.get("ANCHOR_VENV", "/tmp/anchor-venv"), "bin", "python")
     if lib == "posttrain":
@@ -97,7 +98,8 @@ def main():
                 value, secs = run_one(argv, key, args.timeout)
                 rss = _peak_rss_of_last()
                 runs.append(dict(round=r + 1, lib=lib, kind=kind, shape=s, value=value, peak_rss=rss, seconds=secs))
-                print(f"round {r + 1} {kind} {s:>8} {lib:<9} {value if value is None else round(value):>7} "
+                shown = "failed" if value is None else f"{value:.0f}"
+                print(f"round {r + 1} {kind} {s:>8} {lib:<9} {shown:>7} "
                       f"tok/s  peak RSS {rss / 2**30 if rss else 0:.2f} GiB  ({secs:.0f} s)", flush=True)
                 json.dump(dict(runs=runs), open(os.path.join(args.out, "sweep.json"), "w"), indent=1)
     summary = summarize(runs, shapes, args.libs)

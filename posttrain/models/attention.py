@@ -148,8 +148,8 @@ def blockwise(q, k, v, layout: Layout, *, window, scale, cap, block_q: Optional[
     lay = _padded_layout(layout, Tp, Sp)
     q, k, v = _pad(q, 1, Tp), _pad(k, 2, Sp), _pad(v, 2, Sp)
     nq, nk = Tp // bq, Sp // bk
-    if layout.causal_aligned and bq == bk:  # tiles above the diagonal can never be attended
-        pairs = [(i, j) for i in range(nq) for j in range(nk) if j <= i]
+    if layout.causal_aligned:  # tiles wholly above the diagonal can never be attended
+        pairs = [(i, j) for i in range(nq) for j in range(nk) if j * bk <= (i + 1) * bq - 1]
     else:
         pairs = [(i, j) for i in range(nq) for j in range(nk)]
     pi, pj = np.array(pairs, np.int32).T
@@ -298,16 +298,23 @@ def _flash_bwd(static, res, dout):
         dob = jax.lax.dynamic_slice_in_dim(dout, i * bq, bq, axis=3)
         kb = jax.lax.dynamic_slice_in_dim(k, j * bk, bk, axis=2)
         vb = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
-        s, t = _tile_scores(qb, kb, _tile_mask(lay, window, i, j, bq, bk), scale, cap)
-        p = jnp.exp(s - jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[..., None])  # 0 where masked
-        dp = jnp.einsum("bkgth,bksh->bkgts", dob, vb).astype(f32)
-        ds = p * (dp - jax.lax.dynamic_slice_in_dim(d, i * bq, bq, axis=3)[..., None])
+        # transposed tile [.., s, t]: dV = P^T dO and dK = dS^T Q are then plain matmuls (no per-tile transpose)
+        m = jnp.swapaxes(_tile_mask(lay, window, i, j, bq, bk), 1, 2)  # [B,bk,bq]
+        s = jnp.einsum("bksh,bkgth->bkgst", kb, qb).astype(f32) * scale
+        t = None
+        if cap is not None:
+            t = jnp.tanh(s / cap)
+            s = t * cap
+        s = jnp.where(m[:, None, None], s, -jnp.inf)
+        p = jnp.exp(s - jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[..., None, :])  # 0 where masked
+        dp = jnp.einsum("bksh,bkgth->bkgst", vb, dob).astype(f32)
+        ds = p * (dp - jax.lax.dynamic_slice_in_dim(d, i * bq, bq, axis=3)[..., None, :])
         if t is not None:
             ds = ds * (1.0 - t * t)
         ds = (ds * scale).astype(dt)
-        dv_j = jnp.einsum("bkgts,bkgth->bksh", p.astype(dt), dob).astype(f32)
-        dk_j = jnp.einsum("bkgts,bkgth->bksh", ds, qb).astype(f32)
-        dq_i = jnp.einsum("bkgts,bksh->bkgth", ds, kb).astype(f32)
+        dv_j = jnp.einsum("bkgst,bkgth->bksh", p.astype(dt), dob).astype(f32)
+        dk_j = jnp.einsum("bkgst,bkgth->bksh", ds, qb).astype(f32)
+        dq_i = jnp.einsum("bkgst,bksh->bkgth", ds, kb).astype(f32)
         dq = jax.lax.dynamic_update_slice_in_dim(
             dq, jax.lax.dynamic_slice_in_dim(dq, i * bq, bq, axis=3) + dq_i, i * bq, axis=3)
         dk = jax.lax.dynamic_update_slice_in_dim(

@@ -1,0 +1,42 @@
+"""The DPO trainer's loss function over prefix-shared pair rows.
+
+What it is: `make_dpo_loss(...)` returns `loss_fn(policy, batch, *, frozen, rng) -> (total, metrics)`
+(the convention of `posttrain.losses`). A batch holds one pair per row, laid out by
+`posttrain.data.branches` as [prompt | chosen | rejected] with branch 1 = chosen, 2 = rejected,
+so the policy forward pays for the prompt once. The reference log-probabilities come from
+`batch["ref_logps"]` [P, 2] when they were precomputed, else from a forward of `frozen` (the
+reference model) on the same rows, without gradient. The per-pair loss is `dpo_loss`
+(losses/preference.py, every TRL 1.16 type); the total is the sum over pairs, denom the pair
+count, and the metrics (sums, divided by denom in the step) are TRL's: rewards/chosen,
+rewards/rejected, rewards/margins, rewards/accuracies.
+
+What it is not: the data pipeline or the trainer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.losses.logps import branch_logps
+from posttrain.losses.preference import dpo_loss
+
+
+def make_dpo_loss(*, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0):
+    def loss_fn(policy, batch, *, frozen=None, rng=None):
+        _, logps, counts = branch_logps(policy, batch, 2)
+        if "ref_logps" in batch:
+            ref = batch["ref_logps"]
+        else:
+            ref = jax.lax.stop_gradient(branch_logps(frozen, batch, 2)[1])
+        real = (counts[:, 0] > 0).astype(jnp.float32)  # padding rows (no pair) count nothing
+        losses, rc, rr = dpo_loss(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], loss_type=loss_type, beta=beta,
+                                  label_smoothing=label_smoothing, chosen_lengths=counts[:, 0],
+                                  rejected_lengths=counts[:, 1])
+        total = jnp.sum(losses * real)
+        metrics = {"denom": jnp.sum(real), "loss": total, "rewards/chosen": jnp.sum(rc * real),
+                   "rewards/rejected": jnp.sum(rr * real), "rewards/margins": jnp.sum((rc - rr) * real),
+                   "rewards/accuracies": jnp.sum((rc > rr) * real)}
+        return total, metrics
+
+    return loss_fn
