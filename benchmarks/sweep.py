@@ -35,9 +35,10 @@ def command(lib, kind, batch, length, args):
     common += steps
     shape = ["--seq", str(length)] if kind == "train" else ["--prompt", str(length), "--new", str(args.new)]
     apy = os.path.join(os.environ.get("ANCHOR_VENV", "/tmp/anchor-venv"), "bin", "python")
-    if lib == "posttrain":
-        script = os.path.join(HERE, "train.py" if kind == "train" else "generate.py")
-        extra = [] if kind == "train" else ["--only-batch"]
+    if lib in ("posttrain", "baseline"):  # baseline: another checkout of posttrain (--baseline), e.g. the last release
+        here = HERE if lib == "posttrain" else os.path.join(args.baseline, "benchmarks")
+        script = os.path.join(here, "train.py" if kind == "train" else "generate.py")
+        extra = [] if kind == "train" or lib == "baseline" else ["--only-batch"]
         return [sys.executable, script] + common + shape + extra, ("train_tok_s" if kind == "train" else "gen_tok_s")
     if lib == "torch":
         return [apy, os.path.join(ANCHORS, "hf_bench.py")] + common + shape, (
@@ -52,7 +53,11 @@ def run_one(argv, key, timeout):
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as fh:
         path = fh.name
     start = time.time()
-    proc = subprocess.Popen(argv + ["--json", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = dict(os.environ)
+    if _BASELINE.get("path") and _BASELINE["path"] in argv[1]:
+        env["PYTHONPATH"] = _BASELINE["path"]
+    proc = subprocess.Popen(argv + ["--json", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -79,12 +84,14 @@ def main():
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--train", nargs="*", default=["8x256", "4x512", "1x2048"], help="BATCHxSEQ")
     ap.add_argument("--gen", nargs="*", default=["8x64", "4x1024"], help="BATCHxPROMPT")
-    ap.add_argument("--libs", nargs="*", default=list(LIBS))
+    ap.add_argument("--libs", nargs="*", default=list(LIBS), help="posttrain torch tunix baseline")
+    ap.add_argument("--baseline", default=None, help="path of another posttrain checkout (lib 'baseline')")
     ap.add_argument("--skip", nargs="*", default=[], help="LIB:KIND:BATCHxLEN entries not to run")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--also", nargs="*", default=[], help="other sweep.json files whose shapes join the plot")
     args = ap.parse_args()
+    _BASELINE["path"] = args.baseline and os.path.abspath(args.baseline)
     os.makedirs(args.out, exist_ok=True)
     shapes = [("train", s) for s in args.train] + [("gen", s) for s in args.gen]
     runs = []
@@ -113,6 +120,7 @@ def main():
 
 
 _LAST = {}
+_BASELINE = {}
 
 
 def _peak_rss_of_last():
@@ -140,7 +148,7 @@ def summarize(runs, shapes, libs):
             rss = [x["peak_rss"] for x in runs if (x["lib"], x["kind"], x["shape"]) == (lib, kind, s) and x["peak_rss"]]
             row[lib] = statistics.median(vals) if vals else None
             row[f"{lib}_peak_rss"] = max(rss) if rss else None
-        for ref in ("torch", "tunix"):  # same-round ratios, then their median
+        for ref in ("torch", "tunix", "baseline"):  # same-round ratios, then their median
             ratios = []
             by = {(x["round"], x["lib"]): x["value"] for x in runs if (x["kind"], x["shape"]) == (kind, s)}
             for r in sorted({x["round"] for x in runs}):
@@ -173,7 +181,7 @@ def plot(summary, path):
     for col, kind in enumerate(("train", "gen")):
         rows = [r for r in summary if r["kind"] == kind]
         tokens = [int(r["shape"].split("x")[1]) for r in rows]
-        for lib in LIBS:
+        for lib in LIBS:  # the baseline is not plotted
             pts = [(t, r[lib], r[f"{lib}_peak_rss"]) for t, r in zip(tokens, rows) if r.get(lib)]
             if not pts:
                 continue

@@ -1,11 +1,11 @@
 """Attention: the blockwise path equals the dense reference (outputs and gradients) on every layout;
-tile skipping; implementation choice; prefix-shared rows through the model equal the unshared rows."""
+tile skipping; implementation choice; a branched KV cache decodes like the unshared row (per-token
+log-probs and gradients of prefix-shared rows for every family: tests/test_branches.py); memory is linear."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hf_models import FAMILIES
 
 from posttrain.models import KVCache, from_pretrained
 from posttrain.models import attention as A
@@ -170,62 +170,6 @@ def _shared_and_unshared(prompt, branches):
         seg[i, :n] = 1
     upos = np.broadcast_to(np.arange(L), rows.shape)
     return (np.asarray([toks]), np.asarray([pos]), np.asarray([bid])), (rows, upos, seg)
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_prefix_shared_row_equals_unshared_rows(hf_checkpoints, family, small_tiles):
-    """Logits of every branch token in one shared row equal those of prompt + branch as its own row."""
-    model = from_pretrained(hf_checkpoints[family])
-    r = np.random.default_rng(0)
-    prompt = r.integers(3, 97, 11).tolist()
-    branches = [r.integers(3, 97, n).tolist() for n in (9, 13, 6)]
-    (st, sp, sb), (ut, up, us) = _shared_and_unshared(prompt, branches)
-    shared = np.asarray(model(jnp.asarray(st), jnp.asarray(sp), branch_ids=jnp.asarray(sb)).logits)[0]
-    unshared = np.asarray(model(jnp.asarray(ut), jnp.asarray(up), segment_ids=jnp.asarray(us)).logits)
-    P, off = len(prompt), len(prompt)
-    np.testing.assert_allclose(shared[:P], unshared[0, :P], atol=1e-5, rtol=0)
-    for i, b in enumerate(branches):
-        np.testing.assert_allclose(shared[off:off + len(b)], unshared[i, P:P + len(b)], atol=1e-5, rtol=0)
-        off += len(b)
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_prefix_shared_gradients_equal_unshared(hf_checkpoints, family, small_tiles):
-    """d/dweights of the summed branch-token log-probs: shared row == unshared rows (blockwise backward)."""
-    from flax import nnx
-
-    model = from_pretrained(hf_checkpoints[family])
-    graphdef, params = nnx.split(model)
-    r = np.random.default_rng(1)
-    prompt = r.integers(3, 97, 10).tolist()
-    branches = [r.integers(3, 97, n).tolist() for n in (12, 7)]
-    (st, sp, sb), (ut, up, us) = _shared_and_unshared(prompt, branches)
-    P = len(prompt)
-    # targets: each branch token scored from the previous slot of ITS OWN sequence
-    src, tgt = [], []
-    off = P
-    for b in branches:
-        prev = [P - 1] + list(range(off, off + len(b) - 1))
-        src += prev
-        tgt += b
-        off += len(b)
-    usrc = [(i, P - 1 + j) for i, b in enumerate(branches) for j in range(len(b))]
-    utgt = [t for b in branches for t in b]
-
-    def shared_loss(p):
-        lp = jax.nn.log_softmax(nnx.merge(graphdef, p)(st, sp, branch_ids=sb).logits[0])
-        return lp[jnp.asarray(src), jnp.asarray(tgt)].sum()
-
-    def unshared_loss(p):
-        lp = jax.nn.log_softmax(nnx.merge(graphdef, p)(ut, up, segment_ids=us).logits)
-        rows, cols = zip(*usrc)
-        return lp[jnp.asarray(rows), jnp.asarray(cols), jnp.asarray(utgt)].sum()
-
-    v1, g1 = jax.value_and_grad(shared_loss)(params)
-    v2, g2 = jax.value_and_grad(unshared_loss)(params)
-    np.testing.assert_allclose(v1, v2, atol=1e-4, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
