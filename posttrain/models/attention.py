@@ -228,9 +228,11 @@ def _tile_mask(lay: Layout, window, i, j, bq, bk):
                  opt(ks, lay.k_seg), opt(qs, lay.q_branch), opt(ks, lay.k_branch), window)
 
 
-def _tile_scores(qb, kb, m, scale, cap):
-    """float32 scores [B,K,G,bq,bk] of a tile (soft-capped), -inf where masked; and tanh for the VJP."""
-    s = jnp.einsum("bkgth,bksh->bkgts", qb, kb).astype(jnp.float32) * scale
+def _tile_scores(a, b, m, scale, cap, spec="bkgth,bksh->bkgts"):
+    """float32 scores of a tile (soft-capped), -inf where `m` is False, and tanh for the VJP.
+
+    The forward reads [B,K,G,bq,bk] (`spec` over q, k); the backward the transposed [B,K,G,bk,bq] (k, q)."""
+    s = jnp.einsum(spec, a, b).astype(jnp.float32) * scale
     t = None
     if cap is not None:
         t = jnp.tanh(s / cap)
@@ -300,12 +302,7 @@ def _flash_bwd(static, res, dout):
         vb = jax.lax.dynamic_slice_in_dim(v, j * bk, bk, axis=2)
         # transposed tile [.., s, t]: dV = P^T dO and dK = dS^T Q are then plain matmuls (no per-tile transpose)
         m = jnp.swapaxes(_tile_mask(lay, window, i, j, bq, bk), 1, 2)  # [B,bk,bq]
-        s = jnp.einsum("bksh,bkgth->bkgst", kb, qb).astype(f32) * scale
-        t = None
-        if cap is not None:
-            t = jnp.tanh(s / cap)
-            s = t * cap
-        s = jnp.where(m[:, None, None], s, -jnp.inf)
+        s, t = _tile_scores(kb, qb, m, scale, cap, "bksh,bkgth->bkgst")
         p = jnp.exp(s - jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)[..., None, :])  # 0 where masked
         dp = jnp.einsum("bksh,bkgth->bkgst", vb, dob).astype(f32)
         ds = p * (dp - jax.lax.dynamic_slice_in_dim(d, i * bq, bq, axis=3)[..., None, :])
