@@ -1,4 +1,4 @@
-"""`posttrain` command line: `posttrain {sft,plan,export,generate,demo} ...`.
+"""`posttrain` command line: `posttrain {sft,dpo,plan,export,generate,demo} ...`.
 
 Every user-caused error (PosttrainError) is printed as one line without a traceback and the
 process exits with code 2. Subcommands for training arrive with their trainers.
@@ -47,6 +47,18 @@ def _sft(args) -> None:
     if result.get("finished") or not is_main_process():  # one process reports
         return
     print(f"[sft] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f} in {result['seconds']:.1f} s")
+
+
+def _dpo(args) -> None:
+    from posttrain import config as C
+    from posttrain.sharding import is_main_process
+    from posttrain.trainers.dpo import DPOConfig, DPOTrainer
+
+    result = DPOTrainer(C.load(DPOConfig, args.config, args.overrides)).train()
+    if result.get("finished") or not is_main_process():
+        return
+    print(f"[dpo] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f}, reward accuracy "
+          f"{result['rewards/accuracies']:.1%} in {result['seconds']:.1f} s")
 
 
 def _plan(args) -> None:
@@ -114,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--distributed", action="store_true",
                    help="multi-process run: jax.distributed from the environment (JAX_COORDINATOR_ADDRESS, "
                         "JAX_NUM_PROCESSES, JAX_PROCESS_ID; Slurm and TPU pods detected)")
+    for name, helptext, fn in (("dpo", "direct preference optimisation (DPO family) from a YAML config", _dpo),):
+        t = sub.add_parser(name, help=helptext)
+        t.add_argument("--config", required=True, help=f"YAML file, e.g. configs/{name}_tiny.yaml")
+        t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. dpo.beta=0.05 train.steps=100")
+        t.add_argument("--distributed", action="store_true", help="multi-process run, as for `posttrain sft`")
+        t.set_defaults(func=fn)
     p = sub.add_parser("plan", help="per-device memory of a training config (parameters, optimizer, ...)")
     p.add_argument("--config", required=True, help="YAML file of a training run")
     p.add_argument("overrides", nargs="*", help="dotted overrides, as for `posttrain sft`")
@@ -121,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", type=float, default=None, help="GiB per device; warn when the plan exceeds it")
     p.set_defaults(func=_plan)
     e = sub.add_parser("export", help="write a finished run as a Hugging Face folder (LoRA merged)")
-    e.add_argument("--run", required=True, help="run folder written by `posttrain sft`")
+    e.add_argument("--run", required=True, help="run folder written by `posttrain sft` or `posttrain dpo`")
     e.add_argument("--out", required=True, help="output Hugging Face folder")
     e.add_argument("--dtype", default=None, help="weights dtype of the export (default: the run's)")
     e.set_defaults(func=_export)

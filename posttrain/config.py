@@ -284,6 +284,30 @@ class DataSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PreferenceDataSection:
+    train: str  # preference pairs: .jsonl, .parquet or a save_to_disk folder (TRL formats; required)
+    eval: str | None = None  # held-out pairs in the same formats; None = no evaluation set
+    max_length: int = 512  # tokens of the prompt + the longer answer (TRL's meaning); default 512
+    # with truncation=truncate: keep only the prompt's last tokens; None = the whole prompt
+    max_prompt_length: int | None = None
+    # Pairs longer than max_length: raise naming the row, truncate (prompt from the start, answers
+    # at the end), or drop the pair (counted).
+    truncation: Literal["error", "truncate", "drop"] = "error"
+    skip_bad_rows: bool = False  # skip malformed rows (counted, one warning) instead of raising
+    shuffle: bool = True  # shuffle pairs every epoch; default true
+    seed: int = 0  # shuffle seed; default 0
+
+    def __post_init__(self):
+        if self.max_length < 2:
+            raise PosttrainError(f"data.max_length must be >= 2, got {self.max_length}")
+        if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
+            raise PosttrainError(f"data.max_prompt_length must be in [1, max_length={self.max_length}), got "
+                                 f"{self.max_prompt_length}")
+        if not 0 <= self.seed < 2**32:
+            raise PosttrainError(f"data.seed must be in [0, 2**32), got {self.seed}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimSection:
     lr: float = 1e-5  # peak learning rate (after warmup); default 1e-5
     schedule: Literal["constant", "linear", "cosine"] = "cosine"  # decay after warmup; default cosine

@@ -20,15 +20,27 @@ import jax.numpy as jnp
 
 from posttrain.losses.logps import branch_logps
 from posttrain.losses.preference import dpo_loss
+from posttrain.models.lora import adapters_off
 
 
-def make_dpo_loss(*, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0):
+def make_dpo_loss(*, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                  reference: str | None = "frozen"):
+    """`reference`: where the reference log-probs come from when the batch has no "ref_logps":
+    "frozen" (a forward of the `frozen` model) or "adapters_off" (the policy with its LoRA
+    adapters zeroed: the base weights, no copy)."""
+    if reference not in (None, "frozen", "adapters_off"):
+        raise ValueError(f"reference={reference!r}: use 'frozen', 'adapters_off' or None (precomputed)")
+
     def loss_fn(policy, batch, *, frozen=None, rng=None):
         _, logps, counts = branch_logps(policy, batch, 2)
         if "ref_logps" in batch:
             ref = batch["ref_logps"]
-        else:
+        elif reference == "adapters_off":
+            ref = jax.lax.stop_gradient(branch_logps(adapters_off(policy), batch, 2)[1])
+        elif frozen is not None:
             ref = jax.lax.stop_gradient(branch_logps(frozen, batch, 2)[1])
+        else:
+            raise ValueError("the DPO loss needs batch['ref_logps'] or a reference model (frozen=...)")
         real = (counts[:, 0] > 0).astype(jnp.float32)  # padding rows (no pair) count nothing
         losses, rc, rr = dpo_loss(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], loss_type=loss_type, beta=beta,
                                   label_smoothing=label_smoothing, chosen_lengths=counts[:, 0],
@@ -36,7 +48,8 @@ def make_dpo_loss(*, beta: float = 0.1, loss_type: str = "sigmoid", label_smooth
         total = jnp.sum(losses * real)
         metrics = {"denom": jnp.sum(real), "loss": total, "rewards/chosen": jnp.sum(rc * real),
                    "rewards/rejected": jnp.sum(rr * real), "rewards/margins": jnp.sum((rc - rr) * real),
-                   "rewards/accuracies": jnp.sum((rc > rr) * real)}
+                   "rewards/accuracies": jnp.sum((rc > rr) * real),
+                   "logps/chosen": jnp.sum(logps[:, 0] * real), "logps/rejected": jnp.sum(logps[:, 1] * real)}
         return total, metrics
 
     return loss_fn

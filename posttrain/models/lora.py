@@ -6,7 +6,8 @@ What it is: `apply_lora(model, rank=..., alpha=..., dropout=..., targets=(...))`
 projection then computes x W + (alpha / rank) * dropout(x) A B (Hu et al., 2021), with B = 0
 at start so the adapted model equals the base. Adapter weights are `LoraParam`s, a Param
 subtype: the trainer trains `LoraParam` only and the base stays frozen; `merge_lora(model)`
-folds W + scale * A B into the base weights and removes the adapters (for export).
+folds W + scale * A B into the base weights and removes the adapters (for export);
+`adapters_off(model)` is the base model without a copy (the DPO reference under LoRA).
 
 What it is not: QLoRA (no quantised base) or DoRA.
 """
@@ -104,6 +105,13 @@ def merge_lora(model):
         w[...] = (w[...] + lo.delta().astype(w[...].dtype))
         setattr(mod, name + "_lora", nnx.data(None))
     return model
+
+
+def adapters_off(model):
+    """The same model with every adapter zeroed: the base model (a DPO reference under LoRA), sharing
+    the base weights (no copy); only the small adapter tensors are new (zeros)."""
+    graphdef, lora, rest = nnx.split(model, LoraParam, ...)
+    return nnx.merge(graphdef, jax.tree.map(jnp.zeros_like, lora), rest)
 
 
 def trainable_fraction(model) -> float:

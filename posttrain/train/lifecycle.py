@@ -8,7 +8,7 @@ profiler, steps `train_loop` with an evaluation hook and a checkpoint hook, and 
 trainable weights (`trainable.safetensors`). Process 0 alone prints and writes files; every
 process joins checkpoint saves / restores and the final gather. Also here: `check_processes`
 (the config fits the processes; call it before anything is written), `place_batch` (a host batch
-on the devices) and `make_eval` (the denom-weighted loss over a fixed eval set).
+on the devices) and `make_eval` (the denom-weighted metrics over a fixed eval set).
 
 A trainer recipe is then its config (with the shared run_dir / train / checkpoint / metrics /
 profile / sharding sections), its data -> batches and its loss:
@@ -41,6 +41,7 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from posttrain import config as C
@@ -70,7 +71,7 @@ def run_trainer(config, state: TrainState, step: Callable, batches, *, name: str
     c = config
     t0 = time.perf_counter()
     main = sh.is_main_process()  # the process that writes files and prints
-    _prepare_run_dir(c)
+    prepare_run_dir(c)
     ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), keep=c.checkpoint.keep,
                         async_save=c.checkpoint.async_save)
     start = 0
@@ -163,28 +164,33 @@ def place_batch(batch: dict, mesh=None, rules=None) -> dict:
 
 
 def make_eval(loss_fn: Callable, graphdef, arrays: dict, *, batch_size: int, mesh=None,
-              rules=None) -> Callable[[TrainState], float]:
-    """`evaluate(state) -> float`: the loss over host `arrays` ([N, ...] each) in batches of
-    `batch_size` rows, as summed totals over summed `denom` (the loss convention); jitted once."""
+              rules=None, frozen=None, frozen_graphdef=None) -> Callable[[TrainState], dict]:
+    """`evaluate(state) -> {"eval_<metric>": value}` over host `arrays` ([N, ...] each) in batches of
+    `batch_size` rows: every metric of `loss_fn` summed over the set and divided by the summed
+    `denom` (the loss convention), so "eval_loss" is the set's loss; jitted once. `frozen` (a
+    state, with `frozen_graphdef`) is the reference / teacher handed to the loss."""
 
-    def loss(st, b):
+    def loss(st, b, fz):
         with sh.use_mesh(mesh, rules):
-            return loss_fn(merge(graphdef, st), b)
+            fm = None if fz is None else nnx.merge(frozen_graphdef, fz)
+            return loss_fn(merge(graphdef, st), b, frozen=fm)[1]
 
     fn = jax.jit(loss)
     rows = len(next(iter(arrays.values())))
 
-    def evaluate(state) -> float:
-        total = denom = 0.0
+    def evaluate(state) -> dict:
+        totals = None
         for i in range(0, rows, batch_size):
-            t, m = fn(state, place_batch({k: v[i:i + batch_size] for k, v in arrays.items()}, mesh, rules))
-            total, denom = total + t, denom + m["denom"]  # summed on the device: one host read at the end
-        return float(sh.to_host(total)) / max(float(sh.to_host(denom)), 1.0)
+            m = fn(state, place_batch({k: v[i:i + batch_size] for k, v in arrays.items()}, mesh, rules), frozen)
+            totals = m if totals is None else jax.tree.map(jnp.add, totals, m)  # summed on the device
+        host = {k: float(sh.to_host(v)) for k, v in totals.items()}
+        denom = max(host.pop("denom"), 1.0)
+        return {f"eval_{k}": v / denom for k, v in host.items()}
 
     return evaluate
 
 
-def _prepare_run_dir(c) -> None:
+def prepare_run_dir(c) -> None:
     """Fresh start, or check that the folder holds this same run (to resume it).
 
     Every process checks (so all raise alike); process 0 alone writes, the others wait for it."""

@@ -131,12 +131,9 @@ class SFTTrainer:
                             pad_id=tok.pad_id, packing=c.data.packing, seed=c.data.seed, shuffle=c.data.shuffle))
         evaluate = None
         if self.eval_examples is not None:
-            eval_loss = make_eval(self.loss_fn, graphdef,
-                                  to_arrays(self.eval_examples, c.data.max_length, tok.pad_id, c.data.packing),
-                                  batch_size=c.train.batch_size, mesh=self.mesh, rules=self.rules)
-
-            def evaluate(st):
-                return {"eval_loss": eval_loss(st)}
+            evaluate = make_eval(self.loss_fn, graphdef,
+                                 to_arrays(self.eval_examples, c.data.max_length, tok.pad_id, c.data.packing),
+                                 batch_size=c.train.batch_size, mesh=self.mesh, rules=self.rules)
 
         mesh_shape = dict(self.mesh.shape) if self.mesh is not None else {}
         summary = (f"[sft] {len(self.train_examples)} examples ({self.data_stats}), {n_params:,} parameters, "
@@ -149,12 +146,25 @@ class SFTTrainer:
         return result
 
 
+def run_config_class(cfg_file: str):
+    """The config class of a run folder's config.yaml (by its trainer-specific section)."""
+    import yaml
+
+    with open(cfg_file) as fh:
+        keys = set(yaml.safe_load(fh) or {})
+    if "dpo" in keys:
+        from posttrain.trainers.dpo import DPOConfig
+
+        return DPOConfig
+    return C.SFTConfig
+
+
 def load_run(run_dir: str):
     """(config, tokenizer, trained model) of a finished run (LoRA adapters still separate)."""
     cfg_file = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_file):
-        raise PosttrainError(f"{cfg_file}: missing; --run must be a folder written by `posttrain sft`")
-    config = C.load(C.SFTConfig, cfg_file)
+        raise PosttrainError(f"{cfg_file}: missing; --run must be a folder written by `posttrain sft` / `dpo`")
+    config = C.load(run_config_class(cfg_file), cfg_file)
     tok = build_tokenizer(config.model)
     model = build_model(config.model, tok, config.lora)
     trainable = LoraParam if config.lora.enabled else nnx.Param

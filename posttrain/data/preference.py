@@ -1,0 +1,234 @@
+"""Preference rows: (prompt, chosen, rejected) -> token ids -> prefix-shared pair rows -> Grain batches.
+
+What it is: the data side of the DPO and reward-model trainers.
+  - `tokenize_pair(row, where, tok)` accepts TRL's preference formats unchanged
+    (https://huggingface.co/docs/trl/dataset_formats#preference):
+      {"prompt": str, "chosen": str, "rejected": str}              standard, explicit prompt
+      {"chosen": str, "rejected": str}                             standard, implicit prompt
+      {"prompt": [messages], "chosen": [messages], "rejected": [messages]}   conversational
+      {"chosen": [messages], "rejected": [messages]}               conversational, implicit prompt
+    An implicit prompt is the longest common start of chosen and rejected (characters for
+    strings, whole messages for conversations), as TRL's `extract_prompt` does. Token ids follow
+    TRL 1.16's DPOTrainer: plain strings get the tokenizer's BOS and an eos after each answer;
+    conversations go through the chat template (no eos added: the template ends the turn).
+    An optional numeric "margin" column is kept (reward models' margin loss).
+  - `load_pairs(path, tok, max_length=...)` reads and tokenizes every row once. `max_length`
+    bounds prompt + the longer answer (TRL's meaning). Truncation: "error" (default) raises
+    naming the row; "truncate" keeps the prompt's last `max_prompt_length` tokens and cuts
+    answers at the end to fit; "drop" drops rows that do not fit (counted). A prompt that leaves
+    no room for an answer is a row error under every policy.
+  - `pair_shapes`, `pair_arrays`, `pair_batches`: each pair as one prefix-shared row
+    [prompt | chosen | rejected] (branch 1 = chosen, 2 = rejected; `data/branches.py`), padded to
+    one static shape for the whole run, and a Grain pipeline whose iterator resumes exactly.
+
+Row errors (missing column, wrong type, empty answer, identical chosen and rejected, no room
+for an answer) raise PosttrainError naming FILE:LINE, or are skipped and counted when
+`skip_bad_rows` is set.
+
+What it is not: the loss (`losses/dpo.py`, `losses/preference.py`) or the trainer.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+from typing import Optional
+
+import grain
+import numpy as np
+
+from posttrain.data.branches import pad_rows, shared_row
+from posttrain.data.formats import _messages
+from posttrain.data.sources import read_rows
+from posttrain.errors import PosttrainError
+
+PAIR_TRUNCATION = ("error", "truncate", "drop")
+ACCEPTED = ('{"prompt", "chosen", "rejected"} (strings, or lists of {"role", "content"} messages), or '
+            '{"chosen", "rejected"} with the prompt as their common start')
+
+
+@dataclass
+class Pair:
+    prompt: np.ndarray  # int32 [P]
+    chosen: np.ndarray  # int32 [C]
+    rejected: np.ndarray  # int32 [R]
+    where: str  # "FILE:LINE" for messages
+    margin: float = 0.0  # the row's "margin" column (reward models), 0 when absent
+
+
+def _kind(v) -> str:
+    return "null" if v is None else f"a {type(v).__name__}"
+
+
+def _common_start(a, b) -> int:
+    """TRL's `extract_prompt` split point, quirks included (so the same rows give the same prompts):
+    the first difference, moved back before a space that precedes it; without a difference, the
+    last index of the shorter one."""
+    idx = 0
+    for idx in range(min(len(a), len(b))):
+        if a[idx] != b[idx]:
+            if a[idx - 1] == " ":
+                idx -= 1
+            break
+    return idx
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def tokenize_pair(row, where: str, tok) -> tuple[list[int], list[int], list[int], float]:
+    """(prompt ids, chosen ids, rejected ids, margin) of one preference row; errors name `where`.
+
+    Tokenized as TRL 1.16's DPOTrainer does: the prompt alone and prompt + answer are each
+    tokenized whole (plain strings with the tokenizer's specials and the eos text appended to the
+    answer; conversations through the chat template), and the answer is what follows their common
+    token prefix (a template may render the prompt alone slightly differently)."""
+    if not isinstance(row, dict):
+        raise PosttrainError(f"{where}: a row must be an object, got {_kind(row)}; rows must be {ACCEPTED}")
+    for col in ("chosen", "rejected"):
+        if col not in row:
+            raise PosttrainError(f"{where}: the row has no '{col}' column (it has {sorted(row)}); rows must be "
+                                 f"{ACCEPTED}")
+    chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+    margin = row.get("margin", 0.0)
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not np.isfinite(margin):
+        raise PosttrainError(f"{where}: 'margin' must be a finite number, got {margin!r}")
+    conversational = isinstance(chosen, list)
+    for col, v in (("chosen", chosen), ("rejected", rejected)) + ((("prompt", prompt),) if "prompt" in row else ()):
+        if not isinstance(v, (list, str)) or isinstance(v, list) != conversational:
+            raise PosttrainError(f"{where}: '{col}' is {_kind(v)} but 'chosen' is {_kind(chosen)}; the columns "
+                                 f"must all be strings or all lists of messages")
+    if chosen == rejected:
+        raise PosttrainError(f"{where}: 'chosen' and 'rejected' are identical, so the pair prefers nothing; "
+                             f"remove the row or fix one of them")
+    if prompt is None:  # implicit prompt: the common start
+        cut = _common_start(chosen, rejected)
+        prompt, chosen, rejected = chosen[:cut], chosen[cut:], rejected[cut:]
+    for col, v in (("chosen", chosen), ("rejected", rejected)):
+        if not v or (isinstance(v, str) and not v.strip()):
+            raise PosttrainError(f"{where}: the '{col}' answer is empty; remove the row or fill it in (there is "
+                                 f"nothing to compare)")
+    if not conversational:
+        eos = tok.hf.eos_token or ""
+        p = tok.encode(prompt)
+        full = [tok.encode(prompt + (a if a.endswith(eos) else a + eos)) for a in (chosen, rejected)]
+    else:
+        msgs = [_messages({k: v}, k, where) if v else [] for k, v in
+                (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))]
+        if not msgs[0]:
+            raise PosttrainError(f"{where}: the prompt is empty; give the conversation's first turns as 'prompt'")
+        p = tok.apply_chat_template(msgs[0], add_generation_prompt=True, where=where)
+        full = [tok.apply_chat_template(msgs[0] + a, where=where) for a in msgs[1:]]
+    n = min(_common_prefix(p, f) for f in full)
+    p, c, r = list(p[:n]), list(full[0][n:]), list(full[1][n:])
+    if not p:
+        raise PosttrainError(f"{where}: the prompt is empty after tokenization, and an answer's first token must be "
+                             f"scored from a token before it; give a prompt (or use a tokenizer that adds BOS)")
+    if not c or not r:
+        raise PosttrainError(f"{where}: an answer renders to no tokens; check 'chosen' and 'rejected'")
+    return p, c, r, float(margin)
+
+
+def load_pairs(path, tok, *, max_length: int, max_prompt_length: Optional[int] = None, truncation: str = "error",
+               skip_bad_rows: bool = False) -> tuple[list[Pair], dict]:
+    """Every usable pair of `path`; counts = {"rows", "skipped", "truncated", "dropped"}."""
+    if truncation not in PAIR_TRUNCATION:
+        raise PosttrainError(f"truncation={truncation!r}: use one of {', '.join(PAIR_TRUNCATION)}")
+    counts = {"rows": 0, "skipped": 0, "truncated": 0, "dropped": 0}
+    first_bad: list[str] = []
+
+    def skip(err):
+        counts["skipped"] += 1
+        first_bad.append(str(err)) if not first_bad else None
+
+    def on_bad_row(err):
+        counts["rows"] += 1
+        skip(err)
+
+    pairs = []
+    for row, where in read_rows(path, on_bad_row=on_bad_row if skip_bad_rows else None):
+        counts["rows"] += 1
+        try:
+            p, c, r, margin = tokenize_pair(row, where, tok)
+            p, c, r, status = _fit(p, c, r, where, max_length, max_prompt_length, truncation)
+        except PosttrainError as err:
+            if not skip_bad_rows:
+                raise
+            skip(err)
+            continue
+        if status:
+            counts[status] += 1
+            if status == "dropped":
+                continue
+        pairs.append(Pair(*(np.asarray(x, np.int32) for x in (p, c, r)), where=where, margin=margin))
+    if first_bad:
+        warnings.warn(f"skipped {counts['skipped']} of {counts['rows']} rows of {path} that could not be used; "
+                      f"the first: {first_bad[0]}", stacklevel=2)
+    if not pairs:
+        raise PosttrainError(f"{path}: no usable preference pairs (rows={counts['rows']}, skipped="
+                             f"{counts['skipped']}, dropped={counts['dropped']}); rows must be {ACCEPTED}")
+    return pairs, counts
+
+
+def _fit(p, c, r, where, max_length, max_prompt_length, truncation):
+    """Apply the truncation policy; (prompt, chosen, rejected, "" | "truncated" | "dropped")."""
+    longest = max(len(c), len(r))
+    if len(p) + longest <= max_length:
+        return p, c, r, ""
+    if truncation == "drop":
+        return p, c, r, "dropped"
+    status = "truncated"
+    if truncation == "truncate" and max_prompt_length and len(p) > max_prompt_length:
+        p = p[len(p) - max_prompt_length:]
+    if len(p) >= max_length:
+        fix = ("set data.max_prompt_length below max_length" if truncation == "truncate"
+               else "raise data.max_length, or set data.truncation=truncate with data.max_prompt_length")
+        raise PosttrainError(f"{where}: the prompt is {len(p)} tokens, which leaves no room for an answer under "
+                             f"max_length={max_length}; {fix}")
+    if truncation == "error":
+        raise PosttrainError(f"{where}: prompt ({len(p)} tokens) + the longer answer ({longest}) is more than "
+                             f"max_length={max_length}; raise data.max_length, or set data.truncation to "
+                             f"'truncate' or 'drop'")
+    room = max_length - len(p)
+    return p, c[:room], r[:room], status
+
+
+def pair_shapes(*groups: list[Pair], multiple: int = 8) -> tuple[int, int]:
+    """(row length, scored length) that fits every pair of the groups, rounded up to `multiple`."""
+    pairs = [p for g in groups for p in g]
+    up = lambda n: -(-n // multiple) * multiple  # noqa: E731
+    return (up(max(len(p.prompt) + len(p.chosen) + len(p.rejected) for p in pairs)),
+            up(max(len(p.chosen) + len(p.rejected) for p in pairs)))
+
+
+def _pair_row(i: int, pairs: list[Pair], length: int, score_length: int, pad_id: int, extra: dict) -> dict:
+    p = pairs[i]
+    row = pad_rows([shared_row(p.prompt, [p.chosen, p.rejected])], length, score_length, pad_id)
+    out = {k: v[0] for k, v in row.items()}
+    out["margin"] = np.float32(p.margin)
+    out.update({k: v[i] for k, v in extra.items()})
+    return out
+
+
+def pair_arrays(pairs: list[Pair], length: int, score_length: int, pad_id: int, extra: Optional[dict] = None) -> dict:
+    """Every pair as one padded prefix-shared row: dict of [N, ...] arrays (eval, precomputing)."""
+    rows = [_pair_row(i, pairs, length, score_length, pad_id, extra or {}) for i in range(len(pairs))]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def pair_batches(pairs: list[Pair], *, batch_size: int, length: int, score_length: int, pad_id: int, seed: int,
+                 shuffle: bool = True, extra: Optional[dict] = None) -> grain.IterDataset:
+    """Grain batches of pair rows, reshuffled each epoch, forever; `extra` adds per-pair arrays
+    ([N, ...], e.g. precomputed reference log-probs) to each row. The iterator resumes exactly."""
+    if len(pairs) < batch_size:
+        raise PosttrainError(f"{len(pairs)} preference pairs are fewer than train.batch_size={batch_size}; lower "
+                             f"the batch size or add data")
+    ds = grain.MapDataset.range(len(pairs))
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    ds = ds.repeat(None).map(functools.partial(_pair_row, pairs=pairs, length=length, score_length=score_length,
+                                               pad_id=pad_id, extra=extra or {}))
+    opts = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4 * batch_size)
+    return ds.to_iter_dataset(opts).batch(batch_size, drop_remainder=True)

@@ -1,0 +1,204 @@
+"""Direct preference optimisation recipe: preference pairs + a DPO-family loss over the shared lifecycle.
+
+`DPOTrainer(config).train()` (or `posttrain dpo --config ...`): loads the tokenizer, the pairs
+(TRL's preference formats, `data/preference.py`) and the policy, and trains it with
+`losses/dpo.make_dpo_loss` (every TRL 1.16 DPO loss type) on prefix-shared pair rows
+[prompt | chosen | rejected]: the prompt is computed once per pair. The reference model is
+  - with LoRA: the same weights with the adapters off (no second copy of the base),
+  - with full fine-tuning: a frozen copy of the initial weights,
+  - with `dpo.precompute_ref: true`: neither during training; the reference log-probabilities of
+    every pair are computed once before the first step and cached in `<run_dir>/ref_logps.npz`
+    (a resumed run reads them back).
+Metrics every log step: loss, rewards/chosen, rewards/rejected, rewards/margins,
+rewards/accuracies, logps/chosen, logps/rejected (TRL's names); with data.eval the same as
+eval_*. Run folder, resume, checkpoints, sinks and the mesh are `train.lifecycle.run_trainer`'s,
+exactly as for SFT; `posttrain export --run` writes the policy as a Hugging Face folder.
+
+What it is not: online DPO (no sampling) or KTO (unpaired data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posttrain import config as C
+from posttrain import sharding as sh
+from posttrain.data.preference import load_pairs, pair_arrays, pair_batches, pair_shapes
+from posttrain.errors import PosttrainError
+from posttrain.losses.dpo import make_dpo_loss
+from posttrain.losses.logps import branch_logps
+from posttrain.models import count_params
+from posttrain.models.lora import LoraParam, adapters_off, trainable_fraction
+from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule
+from posttrain.train.lifecycle import check_processes, make_eval, place_batch, prepare_run_dir, run_trainer
+from posttrain.train.metrics import model_flops_per_token
+from posttrain.trainers.sft import build_mesh, build_model, build_tokenizer
+
+REF_FILE = "ref_logps.npz"
+LossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
+                   "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOSection:
+    beta: float = 0.1  # strength of the implicit KL to the reference; default 0.1
+    loss_type: LossType = "sigmoid"  # a TRL 1.16 DPO loss type (losses/preference.py); default sigmoid
+    label_smoothing: float = 0.0  # robust / exo_pair / aot label-flip rate; default 0.0
+    precompute_ref: bool = False  # reference log-probs computed once, cached in run_dir; default false
+
+    def __post_init__(self):
+        if not self.beta > 0:
+            raise PosttrainError(f"dpo.beta must be > 0, got {self.beta}")
+        if self.loss_type == "exo_pair" and not 0 < self.label_smoothing < 1:
+            raise PosttrainError("dpo.loss_type=exo_pair needs 0 < dpo.label_smoothing < 1 (EXO's epsilon, e.g. 1e-3)")
+        if not 0 <= self.label_smoothing < 0.5 and self.loss_type != "exo_pair":
+            raise PosttrainError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DPOConfig:
+    model: C.ModelSection  # the policy to train (also the reference's initial weights; required)
+    data: C.PreferenceDataSection  # preference pairs (required)
+    dpo: DPOSection = dataclasses.field(default_factory=DPOSection)  # loss type, beta, reference mode
+    optim: C.OptimSection = dataclasses.field(default_factory=C.OptimSection)  # AdamW + lr schedule
+    lora: C.LoraSection = dataclasses.field(default_factory=C.LoraSection)  # adapters; off by default
+    train: C.TrainSection = dataclasses.field(default_factory=C.TrainSection)  # steps, batch = pairs
+    checkpoint: C.CheckpointSection = dataclasses.field(default_factory=C.CheckpointSection)  # save / resume
+    metrics: C.MetricsSection = dataclasses.field(default_factory=C.MetricsSection)  # metric sinks, MFU
+    profile: C.ProfileSection = dataclasses.field(default_factory=C.ProfileSection)  # JAX profiler window
+    sharding: C.ShardingSection = dataclasses.field(default_factory=C.ShardingSection)  # device mesh
+    run_dir: str = "runs/dpo"  # folder for checkpoints, logs, the config and cached ref log-probs
+
+
+class DPOTrainer:
+    def __init__(self, config: DPOConfig, *, progress: bool = True):
+        self.config = config
+        self.progress = progress
+        c = config
+        check_processes(c)
+        self.tokenizer = build_tokenizer(c.model)
+        kw = dict(max_length=c.data.max_length, max_prompt_length=c.data.max_prompt_length,
+                  truncation=c.data.truncation, skip_bad_rows=c.data.skip_bad_rows)
+        self.train_pairs, self.data_stats = load_pairs(c.data.train, self.tokenizer, **kw)
+        self.eval_pairs = load_pairs(c.data.eval, self.tokenizer, **kw)[0] if c.data.eval else None
+        if c.train.eval_every and not c.data.eval:
+            raise PosttrainError("train.eval_every is set but data.eval is not; give data.eval=FILE or set "
+                                 "train.eval_every=0")
+        if len(self.train_pairs) < c.train.batch_size:
+            raise PosttrainError(f"{c.data.train}: {len(self.train_pairs)} usable pairs are fewer than "
+                                 f"train.batch_size={c.train.batch_size}; lower the batch size or add pairs")
+        self.length, self.score_length = pair_shapes(self.train_pairs, self.eval_pairs or [])
+        self.mesh, self.rules = build_mesh(c.sharding)
+        self.model = build_model(c.model, self.tokenizer, c.lora, self.mesh, self.rules)
+        if self.length > self.model.cfg.max_position:
+            raise PosttrainError(f"a pair row is {self.length} tokens (prompt + both answers), more than the model's "
+                                 f"maximum position {self.model.cfg.max_position}; lower data.max_length")
+        self.trainable = LoraParam if c.lora.enabled else nnx.Param
+        d = c.dpo
+        self.loss_fn = make_dpo_loss(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
+                                     reference=None if d.precompute_ref else ("adapters_off" if c.lora.enabled
+                                                                              else "frozen"))
+
+    def _arrays(self, pairs, ref=None) -> dict:
+        return pair_arrays(pairs, self.length, self.score_length, self.tokenizer.pad_id,
+                           None if ref is None else {"ref_logps": ref})
+
+    def reference_logps(self, pairs) -> np.ndarray:
+        """[N, 2] summed (chosen, rejected) log-probs of `pairs` under the initial model (the reference)."""
+        model = adapters_off(self.model) if self.config.lora.enabled else self.model
+        graphdef, state = nnx.split(model)
+
+        @jax.jit
+        def fn(st, b):
+            with sh.use_mesh(self.mesh, self.rules):
+                return branch_logps(nnx.merge(graphdef, st), b, 2)[1]
+
+        arrays, bs, out = self._arrays(pairs), self.config.train.batch_size, []
+        for i in range(0, len(pairs), bs):
+            chunk = {k: v[i:i + bs] for k, v in arrays.items()}
+            n = len(chunk["tokens"])
+            if n < bs:  # one compiled shape: pad the last chunk with copies of its first row
+                chunk = {k: np.concatenate([v, np.repeat(v[:1], bs - n, 0)]) for k, v in chunk.items()}
+            out.append(np.asarray(sh.to_host(fn(state, place_batch(chunk, self.mesh, self.rules))))[:n])
+        return np.concatenate(out).astype(np.float32)
+
+    def _cached_reference(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """(train, eval) reference log-probs: read from run_dir when this data's are there, else computed
+        and written (atomically) once the run folder is ready."""
+        c = self.config
+        path = os.path.join(c.run_dir, REF_FILE)
+        digest = hashlib.sha256()
+        for p in self.train_pairs + (self.eval_pairs or []):
+            for x in (p.prompt, p.chosen, p.rejected):
+                digest.update(x.tobytes() + b"|")
+        key = digest.hexdigest()
+        if c.checkpoint.resume and os.path.isfile(path):
+            with np.load(path) as f:
+                if str(f["key"]) == key:
+                    return f["train"], (f["eval"] if self.eval_pairs else None)
+        train = self.reference_logps(self.train_pairs)
+        evals = self.reference_logps(self.eval_pairs) if self.eval_pairs else np.zeros((0, 2), np.float32)
+        if sh.is_main_process():
+            tmp = path + ".tmp.npz"
+            np.savez(tmp, key=key, train=train, eval=evals)
+            os.replace(tmp, path)
+        return train, (evals if self.eval_pairs else None)
+
+    def setup(self) -> dict:
+        """The pieces `train` hands to `run_trainer`: graphdef, state, step (bound to its reference),
+        frozen (the reference copy, or None), batches, evaluate, reference mode."""
+        c, tok = self.config, self.tokenizer
+        ref_train = ref_eval = None
+        if c.dpo.precompute_ref:
+            prepare_run_dir(c)  # the cache goes into a checked run folder (run_trainer's check is idempotent)
+            ref_train, ref_eval = self._cached_reference()
+        frozen = frozen_graphdef = None
+        if not c.dpo.precompute_ref and not c.lora.enabled:  # full fine-tuning: a frozen copy of the start
+            frozen_graphdef, frozen = nnx.split(self.model)
+            frozen = jax.tree.map(jnp.copy, frozen)  # the train state's buffers are donated
+        lr = schedule(c.optim, c.train.steps)
+        optimizer = make_optimizer(c.optim, lr)
+        graphdef, state = init_state(self.model, optimizer, trainable=self.trainable, seed=c.train.seed)
+        if self.mesh is not None:
+            state = sh.shard_state(state, self.mesh, self.rules)
+        micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)
+        raw = make_train_step(self.loss_fn, optimizer, graphdef, micro_batches=micro, schedule=lr,
+                              frozen_graphdef=frozen_graphdef, trainable=self.trainable, mesh=self.mesh,
+                              rules=self.rules)
+        data = iter(pair_batches(self.train_pairs, batch_size=c.train.batch_size, length=self.length,
+                                 score_length=self.score_length, pad_id=tok.pad_id, seed=c.data.seed,
+                                 shuffle=c.data.shuffle,
+                                 extra=None if ref_train is None else {"ref_logps": ref_train}))
+        evaluate = None
+        if self.eval_pairs:
+            evaluate = make_eval(self.loss_fn, graphdef, self._arrays(self.eval_pairs, ref_eval),
+                                 batch_size=c.train.batch_size, mesh=self.mesh, rules=self.rules, frozen=frozen,
+                                 frozen_graphdef=frozen_graphdef)
+        mode = "precomputed" if c.dpo.precompute_ref else "adapters off" if c.lora.enabled else "frozen copy"
+        return dict(graphdef=graphdef, state=state, raw_step=raw, step=lambda s, b: raw(s, b, frozen),
+                    frozen=frozen, batches=data, evaluate=evaluate, reference=mode)
+
+    def train(self) -> dict:
+        """Train (or resume) in run_dir, see `run_trainer`; afterwards `self.model` holds the trained policy."""
+        c = self.config
+        n_params = count_params(self.model)
+        frac = trainable_fraction(self.model) if c.lora.enabled else 1.0
+        parts = self.setup()
+        summary = (f"[dpo] {len(self.train_pairs)} pairs ({self.data_stats}), rows of {self.length} tokens, "
+                   f"{n_params:,} parameters, trainable {frac:.2%}, loss {c.dpo.loss_type} beta {c.dpo.beta}, "
+                   f"reference: {parts['reference']}")
+        # The reference forward adds one forward (a third of a training step) unless precomputed.
+        flops = model_flops_per_token(self.model.cfg, self.length) * (1.0 if c.dpo.precompute_ref else 4 / 3)
+        state, result = run_trainer(c, parts["state"], parts["step"], parts["batches"], name="dpo",
+                                    evaluate=parts["evaluate"], mesh=self.mesh, rules=self.rules, summary=summary,
+                                    progress=self.progress, flops_per_token=flops)
+        self.model = merge(parts["graphdef"], state)
+        return result
