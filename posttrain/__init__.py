@@ -5,6 +5,7 @@ Table of contents (explicit re-exports, grouped):
 - models: ModelConfig, Transformer, from_pretrained, save_pretrained, presets
 - tokenizer: Tokenizer, byte_tokenizer
 - generate: Sampler, SamplingParams
+- rewards: RewardModel (a trained reward model scoring (prompt, completion) pairs)
 """
 
 from posttrain import _xla_defaults  # noqa: F401  (must run before JAX is imported)
@@ -20,6 +21,7 @@ from posttrain.models import (
     preset,
     save_pretrained,
 )
+from posttrain.rewards import RewardModel
 from posttrain.tokenizer import Tokenizer, byte_tokenizer
 
 __all__ = [
@@ -27,5 +29,6 @@ __all__ = [
     "Completions", "Sampler", "SamplingParams",
     "PRESETS", "KVCache", "ModelConfig", "Transformer", "count_params", "from_pretrained", "preset",
     "save_pretrained",
+    "RewardModel",
     "Tokenizer", "byte_tokenizer",
 ]

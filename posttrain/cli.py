@@ -1,4 +1,4 @@
-"""`posttrain` command line: `posttrain {sft,dpo,plan,export,generate,demo} ...`.
+"""`posttrain` command line: `posttrain {sft,dpo,rm,plan,export,generate,demo} ...`.
 
 Every user-caused error (PosttrainError) is printed as one line without a traceback and the
 process exits with code 2. Subcommands for training arrive with their trainers.
@@ -61,6 +61,18 @@ def _dpo(args) -> None:
           f"{result['rewards/accuracies']:.1%} in {result['seconds']:.1f} s")
 
 
+def _rm(args) -> None:
+    from posttrain import config as C
+    from posttrain.sharding import is_main_process
+    from posttrain.trainers.reward_model import RMConfig, RMTrainer
+
+    result = RMTrainer(C.load(RMConfig, args.config, args.overrides)).train()
+    if result.get("finished") or not is_main_process():  # one process reports
+        return
+    acc = f", held-out accuracy {result['eval_accuracy']:.3f}" if "eval_accuracy" in result else ""
+    print(f"[rm] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f}{acc} in {result['seconds']:.1f} s")
+
+
 def _plan(args) -> None:
     import math
 
@@ -68,9 +80,9 @@ def _plan(args) -> None:
     from posttrain import sharding as sh
     from posttrain.models import load_config
     from posttrain.plan import format_plan
-    from posttrain.trainers.sft import build_tokenizer, memory_plan, preset_config
+    from posttrain.trainers.sft import build_tokenizer, memory_plan, preset_config, run_config_class
 
-    cfg = C.load(C.SFTConfig, args.config, args.overrides)
+    cfg = C.load(run_config_class(args.config), args.config, args.overrides)
     mc = cfg.model
     if mc.path:  # the same ModelConfig the trainer builds
         model_cfg = load_config(mc.path).replace(param_dtype=mc.dtype, dtype=mc.compute_dtype or mc.dtype)
@@ -126,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--distributed", action="store_true",
                    help="multi-process run: jax.distributed from the environment (JAX_COORDINATOR_ADDRESS, "
                         "JAX_NUM_PROCESSES, JAX_PROCESS_ID; Slurm and TPU pods detected)")
-    for name, helptext, fn in (("dpo", "direct preference optimisation (DPO family) from a YAML config", _dpo),):
+    for name, helptext, fn in (("dpo", "direct preference optimisation (DPO family) from a YAML config", _dpo),
+                               ("rm", "reward model: a score head trained Bradley-Terry from a YAML config", _rm)):
         t = sub.add_parser(name, help=helptext)
         t.add_argument("--config", required=True, help=f"YAML file, e.g. configs/{name}_tiny.yaml")
         t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. dpo.beta=0.05 train.steps=100")
@@ -139,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", type=float, default=None, help="GiB per device; warn when the plan exceeds it")
     p.set_defaults(func=_plan)
     e = sub.add_parser("export", help="write a finished run as a Hugging Face folder (LoRA merged)")
-    e.add_argument("--run", required=True, help="run folder written by `posttrain sft` or `posttrain dpo`")
+    e.add_argument("--run", required=True, help="run folder written by `posttrain sft`, `dpo` or `rm`")
     e.add_argument("--out", required=True, help="output Hugging Face folder")
     e.add_argument("--dtype", default=None, help="weights dtype of the export (default: the run's)")
     e.set_defaults(func=_export)

@@ -7,6 +7,11 @@ with their logical sharding when a mesh is given). `save_pretrained(model, path)
 config.json + safetensors (split into shards with an index past `max_shard_bytes`) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
 
+Sequence classifiers (reward models): a model with a score head (`models/heads.py`) is saved as
+`<Family>ForSequenceClassification` (backbone `model.*`, `score.weight` [num_labels, D], no
+`lm_head`, `id2label` giving num_labels), which `AutoModelForSequenceClassification` loads;
+`from_pretrained(path, head="score")` reads such a folder (ours or transformers') back.
+
 What it is not: a downloader. Paths are local folders; nothing is fetched from a hub.
 Fused posttrain layouts (qkv, gate/up) are split back into HF names on export.
 """
@@ -145,18 +150,27 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
          "gemma3_text": "Gemma3ForCausalLM"}
+# transformers' sequence-classification class of each family (gemma3_text: the text-only one).
+_CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+             "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
+             "gemma": "GemmaForSequenceClassification", "gemma2": "Gemma2ForSequenceClassification",
+             "gemma3_text": "Gemma3TextForSequenceClassification"}
+HEADS = (None, "score")
 
 # ----------------------------------------------------------------------------- weight names
 # Each entry: posttrain path -> (HF keys, hf arrays -> posttrain array, posttrain array -> hf arrays).
 
 
-def _weight_map(cfg: ModelConfig) -> dict[tuple, tuple[list[str], Callable, Callable]]:
+def _weight_map(cfg: ModelConfig, head: Optional[str] = None) -> dict[tuple, tuple[list[str], Callable, Callable]]:
+    """head=None: the causal LM (lm_head unless tied); "score": a sequence classifier (score, no lm_head)."""
     D, K, G, H = cfg.embed_dim, cfg.num_kv_heads, cfg.groups, cfg.head_dim
     gemma_sandwich = cfg.sandwich_norm
     ident = (lambda a: a, lambda a: [a])
     m: dict = {("embed",): (["model.embed_tokens.weight"], *ident),
                ("final_norm", "scale"): (["model.norm.weight"], *ident)}
-    if not cfg.tie_embeddings:
+    if head == "score":  # HF Linear(D, num_labels, bias=False): weight [num_labels, D]
+        m[("score",)] = (["score.weight"], lambda w: w.T, lambda a: [a.T])
+    elif not cfg.tie_embeddings:
         m[("lm_head",)] = (["lm_head.weight"], lambda w: w.T, lambda a: [a.T])
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
@@ -260,13 +274,26 @@ def load_config(path: str) -> ModelConfig:
 
 
 def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype: Optional[str] = None,
-                    rules: Optional[dict] = None):
+                    rules: Optional[dict] = None, head: Optional[str] = None):
     """Load a HF checkpoint folder into a Transformer (parameters in `dtype`).
 
     With a `mesh`, each tensor is placed directly with its logical sharding under `rules`
-    (default: the fsdp_tp rules), so the model never lands whole on one device."""
+    (default: the fsdp_tp rules), so the model never lands whole on one device.
+    `head="score"` loads a `*ForSequenceClassification` folder: the backbone plus its `score`
+    head (`models/heads.py`), no LM head."""
+    if head not in HEADS:
+        raise PosttrainError(f"from_pretrained: head={head!r}; use one of {HEADS}")
     cfg = load_config(path).replace(param_dtype=dtype, dtype=compute_dtype or dtype)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+    def build():
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        if head == "score":
+            from posttrain.models.heads import attach_score_head
+
+            attach_score_head(model, num_labels=_num_labels(path))
+        return model
+
+    abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract)
     shardings = None
     if mesh is not None:
@@ -275,7 +302,7 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     files = _tensor_files(path)
     checked: set = set()
     handles: dict = {}
-    wmap = _weight_map(cfg)
+    wmap = _weight_map(cfg, head)
     flat = dict(nnx.to_flat_state(state))
     try:
         for key, var in flat.items():
@@ -285,8 +312,14 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
             arrays = []
             for name in names:
                 if name not in files:
-                    raise PosttrainError(f"{path}: tensor {name!r} is missing from the checkpoint; the folder "
-                                         "does not match its config.json (wrong or partial checkpoint)")
+                    hint = "the folder does not match its config.json (wrong or partial checkpoint)"
+                    if name == "score.weight":
+                        hint = ("it is not a sequence classifier (reward model); attach a new head with "
+                                "models.heads.attach_score_head instead")
+                    elif "score.weight" in files:
+                        hint = ("it is a sequence classifier (reward model): load it with head='score', or "
+                                "with posttrain.rewards.RewardModel")
+                    raise PosttrainError(f"{path}: tensor {name!r} is missing from the checkpoint; {hint}")
                 fname = files[name]
                 if fname not in checked:
                     _check_safetensors(fname)
@@ -315,12 +348,21 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
 
 def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_bytes: int = 5 * 2**30,
                     dtype: Optional[str] = None, **config_extra) -> str:
-    """Write config.json + safetensors (+ tokenizer) that transformers loads; atomic per folder."""
+    """Write config.json + safetensors (+ tokenizer) that transformers loads; atomic per folder.
+
+    A model with a score head (`models/heads.py`) is written as `<Family>ForSequenceClassification`
+    (pass a tokenizer, or pad_token_id=..., so transformers can find each row's last token)."""
     cfg = model.cfg
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
+    head = "score" if ("score",) in flat else None
+    if head == "score":
+        labels = range(flat[("score",)].shape[-1])
+        mt = {"gemma3": "gemma3_text"}.get(cfg.family, cfg.family)
+        config_extra = {"architectures": [_CLS_ARCH.get(mt, mt)], "id2label": {str(i): f"LABEL_{i}" for i in labels},
+                        "label2id": {f"LABEL_{i}": i for i in labels}, **config_extra}
     tensors: dict[str, np.ndarray] = {}
-    for key, (names, _, save) in _weight_map(cfg).items():
+    for key, (names, _, save) in _weight_map(cfg, head).items():
         arr = np.asarray(jax.device_get(flat[key][...])).astype(out_dtype)
         for n, a in zip(names, save(arr)):
             tensors[n] = np.ascontiguousarray(a)
@@ -362,6 +404,15 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _num_labels(path: str) -> int:
+    """num_labels of a classifier folder: the rows of its score.weight (the config may omit id2label)."""
+    fname = _tensor_files(path).get("score.weight")
+    if fname is None:
+        return 1  # from_pretrained reports the missing tensor
+    with safe_open(fname, "numpy") as f:
+        return int(f.get_slice("score.weight").get_shape()[0])
 
 
 def _install(tmp: str, path: str) -> None:

@@ -147,15 +147,22 @@ class SFTTrainer:
 
 
 def run_config_class(cfg_file: str):
-    """The config class of a run folder's config.yaml (by its trainer-specific section)."""
+    """The config class of a run's config.yaml (by its trainer-specific section: dpo, rm, else SFT)."""
     import yaml
 
-    with open(cfg_file) as fh:
-        keys = set(yaml.safe_load(fh) or {})
+    try:
+        with open(cfg_file) as fh:
+            keys = set(yaml.safe_load(fh) or {})
+    except (OSError, yaml.YAMLError, TypeError):
+        return C.SFTConfig  # C.load reports the unreadable file with its location
     if "dpo" in keys:
         from posttrain.trainers.dpo import DPOConfig
 
         return DPOConfig
+    if "rm" in keys:
+        from posttrain.trainers.reward_model import RMConfig
+
+        return RMConfig
     return C.SFTConfig
 
 
@@ -163,7 +170,7 @@ def load_run(run_dir: str):
     """(config, tokenizer, trained model) of a finished run (LoRA adapters still separate)."""
     cfg_file = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_file):
-        raise PosttrainError(f"{cfg_file}: missing; --run must be a folder written by `posttrain sft` / `dpo`")
+        raise PosttrainError(f"{cfg_file}: missing; --run must be a folder written by `posttrain sft` / `dpo` / `rm`")
     config = C.load(run_config_class(cfg_file), cfg_file)
     tok = build_tokenizer(config.model)
     model = build_model(config.model, tok, config.lora)
@@ -174,7 +181,13 @@ def load_run(run_dir: str):
 
 
 def export_run(run_dir: str, out: str, dtype: Optional[str] = None) -> str:
-    """Write a finished run as a Hugging Face folder (LoRA merged into the base weights)."""
+    """Write a finished run as a Hugging Face folder (LoRA merged into the base weights); a reward
+    model as a `*ForSequenceClassification` folder."""
+    cfg_file = os.path.join(run_dir, "config.yaml")
+    if os.path.isfile(cfg_file) and run_config_class(cfg_file).__name__ == "RMConfig":
+        from posttrain.trainers.reward_model import export_rm_run
+
+        return export_rm_run(run_dir, out, dtype)
     config, tok, model = load_run(run_dir)
     if config.lora.enabled:
         merge_lora(model)
