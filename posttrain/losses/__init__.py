@@ -10,6 +10,13 @@ metric is a sum too and is divided by `denom` in the step.
 log-probabilities or scalar rewards in, per-pair losses and rewards out).
 """
 
+from posttrain.losses.advantages import (
+    group_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    weighted_rewards,
+)
+from posttrain.losses.policy import POLICY_LOSS_TYPES, policy_loss, token_kl
 from posttrain.losses.preference import (
     DPO_LOSS_TYPES,
     bco_update_running_mean,
@@ -30,4 +37,12 @@ __all__ = [
     "orpo_loss",
     "reward_loss",
     "simpo_loss",
+    # RL: advantages and the GRPO-family policy loss
+    "group_advantages",
+    "rloo_advantages",
+    "reinforce_pp_advantages",
+    "weighted_rewards",
+    "POLICY_LOSS_TYPES",
+    "policy_loss",
+    "token_kl",
 ]

@@ -1,0 +1,245 @@
+"""Clipped policy-gradient losses of the GRPO family (GRPO, BNPO, Dr. GRPO, DAPO, GSPO, CISPO, SAPO,
+LUSPO, VESPO), with an optional KL penalty to a frozen reference.
+
+What this is: one pure `jnp` function from per-token log-probabilities and per-sample advantages to
+(loss, metrics), written to agree with TRL 1.16's `GRPOTrainer._compute_loss` to float64 round-off,
+gradients included (the parity tests call that method with a stand-in trainer). What it is not: the
+forwards that produce the log-probabilities (policy, and the reference only when beta ≠ 0), the
+rollout, or gradient accumulation (TRL divides grpo/bnpo/dr_grpo by the accumulation steps and dapo by
+a rescaled global token count; here one call is one batch, see `num_tokens`).
+
+Inputs (N samples, T completion positions):
+  `new_logps`   [N, T] log π_θ(y_t | x, y_<t) of the policy being trained (gradients flow here only);
+  `old_logps`   [N, T] log π_old of the policy that sampled (the sampler's log-probs). None means
+                on-policy (μ = 1): π_old = stop_gradient(π_θ), so every ratio is 1 (TRL's default
+                path, no extra forward);
+  `advantages`  [N] one advantage per sample (or [N, T] per token);
+  `mask`        [N, T] 1 on completion tokens that count, 0 on padding (float or bool);
+  `ref_logps`   [N, T] log π_ref, needed only when beta ≠ 0.
+All inputs except `new_logps` are constants (`stop_gradient`). Positions where mask = 0 must hold
+finite numbers (they are multiplied by 0, as in TRL).
+
+Notation: ρ_t = π_θ/π_old per token = exp(new - old); with importance_sampling_level="sequence"
+(GSPO, Zheng et al. 2025, arXiv 2507.18071, eq. 7) one ratio per sample
+s_i = exp(Σ_t m_t·(new - old) / max(L_i, 1)) replaces every ρ_t of sample i. L_i = Σ_t m_t.
+
+References: PPO (Schulman et al. 2017, arXiv 1707.06347); GRPO (Shao et al. 2024, arXiv 2402.03300,
+eq. 3); DAPO (Yu et al. 2025, arXiv 2503.14476: clip-higher ε_high, token-level mean); Dr. GRPO (Liu
+et al. 2025, arXiv 2503.20783); two-sided clip δ (INTELLECT-2, arXiv 2505.07291); CISPO (MiniMax-M1,
+arXiv 2506.13585); SAPO (arXiv 2511.20347); LUSPO (arXiv 2602.05261); VESPO (arXiv 2602.10693); KL
+estimators k1/k2/k3 (Schulman 2020, "Approximating KL divergence", joschu.net/blog/kl-approx.html);
+KL bias correction (DeepSeek-V3.2, arXiv 2512.02556). TRL 1.16: `trl/trainer/grpo_trainer.py::
+GRPOTrainer._compute_loss`, `GRPOTrainer.get_gamma_weights`; options in `trl/trainer/grpo_config.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+# Every loss_type TRL 1.16's GRPOTrainer accepts (GRPOConfig.loss_type).
+POLICY_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-clip objective (+ optional δ cap)
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def token_kl(new_logps, ref_logps, estimator="k3"):
+    """Per-token estimate of KL(π_θ ‖ π_ref) from samples of π_θ, with d = ref - new = log(π_ref/π_θ):
+
+        k1 = -d                   unbiased, can be negative
+        k2 = d² / 2               biased, its gradient is the true reverse-KL gradient on-policy
+        k3 = exp(d) - d - 1       unbiased and ≥ 0: TRL's GRPO `per_token_kl` (Schulman 2020)
+    """
+    d = ref_logps - new_logps
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return jnp.exp(d) - d - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {list(KL_ESTIMATORS)}")
+
+
+def policy_loss(
+    new_logps,
+    old_logps,
+    advantages,
+    mask,
+    *,
+    loss_type="dapo",
+    epsilon_low=0.2,
+    epsilon_high=0.2,
+    beta=0.0,
+    ref_logps=None,
+    importance_sampling_level="token",
+    max_completion_length=None,
+    kl_bias_correction=True,
+    kl_estimator="k3",
+    delta=None,
+    num_tokens=None,
+    sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05,
+    vespo_k_pos=2.0,
+    vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0,
+):
+    """(loss scalar, metrics dict of scalars) of one GRPO-family policy loss, as TRL 1.16.
+
+    Per-token loss ℓ_t (ρ_t, A broadcast over the sample's tokens; ε_l = `epsilon_low`, ε_h =
+    `epsilon_high`; defaults and names follow GRPOConfig: epsilon, epsilon_high, delta, beta, ...):
+      grpo, bnpo, dr_grpo, dapo, luspo (PPO clip):
+          ℓ_t = -min(ρ̃_t·A, clip(ρ_t, 1 - ε_l, 1 + ε_h)·A),  ρ̃_t = min(ρ_t, δ) when `delta` is set
+          (two-sided clip, INTELLECT-2: caps the ratio also where A < 0), else ρ̃_t = ρ_t.
+      cispo:  ℓ_t = -sg(min(ρ_t, ε_h))·A·log π_θ   (ε_h is CISPO's ε_max; the paper uses 5.0)
+      sapo:   ℓ_t = -(4/τ)·σ(τ·(ρ_t - 1))·A,  τ = `sapo_temperature_pos` if A > 0 else `_neg`
+      vespo:  ℓ_t = -sg(φ_i)·A·log π_θ,  φ_i = exp(λ + k·log w - λ·w),
+              log w = clip(Σ_t m_t·clip(new - old, ±20), log 1e-8, 20); (k, λ) = (`vespo_k_pos`,
+              `vespo_lambda_pos`) if A ≥ 0 else the `_neg` pair, λ ≥ 1e-4; φ = 0 where non-finite.
+    KL penalty (beta ≠ 0): ℓ_t += beta · κ_t, κ_t = `token_kl(new, ref, kl_estimator)` (TRL: k3),
+      times the ratio ρ_t (or s_i at sequence level) when `kl_bias_correction` (TRL's
+      `use_bias_correction_kl`, default True: the KL gradient becomes the unbiased reverse-KL one).
+      beta = 0 needs no `ref_logps`; given anyway, only the `kl` metric uses it.
+    Aggregation (`loss_type`, exactly TRL 1.16's normalisers for one process, one micro-batch):
+      grpo, sapo        mean_i( Σ_t m·ℓ / max(L_i, 1) )          per-sample mean, then mean
+      bnpo              Σ m·ℓ / max(Σ m, 1)                      tokens of this batch
+      dr_grpo           Σ m·ℓ / (N · max_completion_length)      (None → T)
+      dapo, cispo, vespo Σ m·ℓ / max(num_tokens, 1)               num_tokens None → Σ m. TRL divides by
+                        the active tokens of the whole generation batch (`num_items_in_batch`): pass that
+                        count when this call sees only a slice of it (micro-batch, data shard).
+      luspo             mean_i( Σ_t m·ℓ )                         per-sample sum, then mean
+    Metrics (jnp scalars; names follow TRL's logged keys):
+      kl                 Σ m·κ' / max(Σ m, 1), κ' = the penalty term as added (bias-corrected when
+                         so); present iff `ref_logps` is given (TRL logs it iff beta ≠ 0).
+      clip_low_mean, clip_high_mean, clip_region_mean   (PPO-clip types) fraction of tokens with
+                         ρ̃ < 1 - ε_l and A < 0 / ρ̃ > 1 + ε_h and A > 0 / either; at sequence
+                         level, of samples (TRL counts every row there, empty ones included).
+      clip_low_min, clip_high_max   min / max over samples of the per-sample fraction (at token
+                         level, samples with no token are ignored).
+    (TRL picks the per-sample path of its means by shape, `x.shape[1] == 1`, so with T = 1 at token
+    level it ignores the mask; this function decides by `importance_sampling_level` instead.)
+      cispo_clip_ratio   (cispo) fraction of tokens with ρ > ε_h and A > 0.
+      vespo_phi_seq_mean (vespo) mean of φ over samples.
+    Not here (TRL options that need other inputs): vLLM importance-sampling correction, off-policy
+    sequence masking, top-entropy token masking, the entropy bonus, MoE aux loss.
+    """
+    if loss_type not in POLICY_LOSS_TYPES:
+        raise ValueError(f"unknown policy loss_type {loss_type!r}; expected one of {list(POLICY_LOSS_TYPES)}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; expected one of "
+                         f"{list(IMPORTANCE_SAMPLING_LEVELS)}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; expected one of {list(KL_ESTIMATORS)}")
+    if beta != 0.0 and ref_logps is None:
+        raise ValueError(f"policy_loss(beta={beta}) needs ref_logps (the reference model's per-token log-probs); "
+                         "set beta=0.0 to train without a reference")
+
+    new = jnp.asarray(new_logps)
+    dtype = new.dtype
+    if new.ndim != 2:
+        raise ValueError(f"policy_loss: new_logps must be [N, T], got shape {new.shape}")
+    m = jnp.asarray(mask).astype(dtype)
+    old = jax.lax.stop_gradient(new if old_logps is None else jnp.asarray(old_logps, dtype))
+    adv = jax.lax.stop_gradient(jnp.asarray(advantages).astype(dtype))
+    if adv.ndim == 1:
+        adv = adv[:, None]
+    for name, x in (("mask", m), ("old_logps", old), ("ref_logps", ref_logps)):
+        if x is not None and jnp.shape(x) != new.shape:
+            raise ValueError(f"policy_loss: {name} has shape {jnp.shape(x)}, new_logps {new.shape}")
+    if adv.shape[0] != new.shape[0] or adv.shape[1] not in (1, new.shape[1]):
+        raise ValueError(f"policy_loss: advantages of shape {jnp.shape(advantages)} for log-probs {new.shape}")
+    n_rows, n_cols = new.shape
+    seq_level = importance_sampling_level == "sequence"
+    lengths = m.sum(-1)
+    n_active = m.sum()
+
+    log_ratio = new - old
+    if seq_level:  # GSPO: one length-normalised ratio per sample, [N, 1]
+        log_w = ((log_ratio * m).sum(-1) / jnp.maximum(lengths, 1.0))[:, None]
+    else:
+        log_w = log_ratio
+    coef_1 = jnp.exp(log_w)
+
+    if ref_logps is not None:
+        kl = token_kl(new, jax.lax.stop_gradient(jnp.asarray(ref_logps, dtype)), kl_estimator)
+        if kl_bias_correction:
+            kl = kl * coef_1
+
+    metrics = {}
+    if loss_type == "cispo":
+        clamped = jax.lax.stop_gradient(jnp.minimum(coef_1, epsilon_high))
+        per_token = -clamped * adv * new
+    elif loss_type in _CLIPPED:
+        coef_2 = jnp.clip(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:
+            coef_1 = jnp.minimum(coef_1, delta)  # two-sided clip; the clip metrics below see the cap too (TRL)
+        per_token = -jnp.minimum(coef_1 * adv, coef_2 * adv)
+    elif loss_type == "sapo":
+        temps = jnp.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).astype(dtype)
+        per_token = -(jax.nn.sigmoid(temps * (coef_1 - 1)) * 4 / temps) * adv
+    else:  # vespo: a stop-gradient Gamma weight of the sequence ratio times the REINFORCE term
+        phi = _vespo_weights(log_ratio, m, adv, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+        per_token = -phi * adv * new
+
+    if beta != 0.0:
+        per_token = per_token + beta * kl
+    masked = per_token * m  # broadcasts [N, 1] (sequence level, no KL) to [N, T]
+
+    if loss_type in ("grpo", "sapo"):
+        loss = jnp.mean(masked.sum(-1) / jnp.maximum(lengths, 1.0))
+    elif loss_type == "bnpo":
+        loss = masked.sum() / jnp.maximum(n_active, 1.0)
+    elif loss_type == "dr_grpo":
+        loss = masked.sum() / (n_rows * (n_cols if max_completion_length is None else max_completion_length))
+    elif loss_type in ("dapo", "cispo", "vespo"):
+        denom = n_active if num_tokens is None else jnp.asarray(num_tokens, dtype)
+        loss = masked.sum() / jnp.maximum(denom, 1.0)
+    else:  # luspo
+        loss = jnp.mean(masked.sum(-1))
+
+    def global_mean(x):
+        """TRL's `global_masked_mean`: over tokens, or over samples for a per-sample [N, 1] value."""
+        x = x.astype(dtype)
+        if x.shape[1] == 1 and seq_level:
+            return x.sum() / max(n_rows, 1)
+        return (x * m).sum() / jnp.maximum(n_active, 1.0)
+
+    def per_sample(x):
+        """TRL's `masked_seq_mean`: NaN for a sample without tokens (dropped by nanmin/nanmax)."""
+        x = x.astype(dtype)
+        if x.shape[1] == 1 and seq_level:
+            return x[:, 0]
+        return (x * m).sum(-1) / lengths
+
+    if ref_logps is not None:
+        metrics["kl"] = global_mean(jax.lax.stop_gradient(kl))
+    coef_1 = jax.lax.stop_gradient(coef_1)
+    if loss_type in _CLIPPED:
+        low = (coef_1 < 1 - epsilon_low) & (adv < 0)
+        high = (coef_1 > 1 + epsilon_high) & (adv > 0)
+        metrics["clip_low_mean"] = global_mean(low)
+        metrics["clip_high_mean"] = global_mean(high)
+        metrics["clip_region_mean"] = global_mean(low | high)
+        metrics["clip_low_min"] = jnp.nanmin(per_sample(low))
+        metrics["clip_high_max"] = jnp.nanmax(per_sample(high))
+    elif loss_type == "cispo":
+        metrics["cispo_clip_ratio"] = global_mean((coef_1 > epsilon_high) & (adv > 0))
+    elif loss_type == "vespo":
+        metrics["vespo_phi_seq_mean"] = jnp.mean(phi) if phi.shape[1] == 1 else global_mean(phi)
+    return loss, metrics
+
+
+def _vespo_weights(log_ratio, m, adv, k_pos, lambda_pos, k_neg, lambda_neg):
+    """VESPO's φ per sample ([N, 1], no gradient), TRL 1.16 `GRPOTrainer.get_gamma_weights` without the
+    vLLM importance-sampling term: φ(w) = e^λ·w^k·e^(-λw) computed in log space, φ(1) = 1."""
+    log_ratio = jax.lax.stop_gradient(log_ratio)
+    seq_log_ratio = jnp.sum(jnp.clip(log_ratio, -20.0, 20.0) * m, axis=-1, keepdims=True)
+    log_w = jnp.clip(seq_log_ratio, math.log(1e-8), 20.0)
+    nonneg = adv >= 0
+    k = jnp.where(nonneg, k_pos, k_neg).astype(log_w.dtype)
+    lam = jnp.maximum(jnp.where(nonneg, lambda_pos, lambda_neg), 1e-4).astype(log_w.dtype)
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    return jax.lax.stop_gradient(jnp.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0))

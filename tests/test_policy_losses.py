@@ -1,0 +1,491 @@
+"""GRPO-family advantages and policy loss: parity with TRL 1.16's own trainer code (float64), and invariants.
+
+TRL references are TRL's real code paths, driven through stand-ins for what they need around the
+maths (no model, no generation, no accelerator, no trainer __init__):
+  GRPO advantages  `GRPOTrainer._generate_and_score_completions(self, inputs)` unbound: `self` a
+                   SimpleNamespace with the attributes it reads, `_generate` returning fixed token ids
+                   and `_calculate_rewards` returning the fixed [N, F] reward table (NaN = a reward
+                   function that returned None). The advantages are read from its output.
+  RLOO advantages  `RLOOTrainer._generate_and_score_completions` the same way; with beta ≠ 0 its
+                   `_get_per_token_logps_and_entropies` returns fixed old / reference log-probs, so
+                   the in-reward KL penalty goes through TRL's own code too.
+  Policy loss      `GRPOTrainer._compute_loss(self, model, inputs)` unbound: `self` carries the config
+                   attributes, `_get_per_token_logps_and_entropies` returns a fixed leaf tensor of
+                   per-token log-probs; old and reference log-probs, advantages and the token count
+                   come in `inputs`. Loss, every metric TRL logs, and the gradient of the loss with
+                   respect to the log-probs (torch autograd vs jax.grad) are compared.
+Grid: every TRL 1.16 loss_type (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo) x importance
+sampling level (token, sequence) x epsilon_high (0.2, 0.28) x (beta, use_bias_correction_kl) in
+{(0, -), (0.04, True), (0.04, False)}; plus the two-sided δ cap, the on-policy path (no old log-probs)
+and a global token count. Advantages: scale (group, batch, none) x multi_objective_aggregation x group
+size (1, 2, 4) x with / without unscorable rows; RLOO: normalize x beta x reward_clip_range x group size.
+Differences are float64 round-off (~1e-16) except where TRL itself rounds to float32 (~1e-8): `nanstd`
+computes its Bessel factor count/(count-1) as int/int → float32, SAPO's temperatures come from
+`torch.where` on Python floats (float32), and the clip-fraction metrics average `bool.float()` tensors.
+REINFORCE++ has no TRL implementation: it is checked against a token-level transcription of
+OpenRLHF's `compute_advantages_and_returns` (outcome reward at the last token, γ = 1 returns,
+whitening over the action mask) and against its invariants.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import warnings
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posttrain.losses import (
+    POLICY_LOSS_TYPES,
+    group_advantages,
+    policy_loss,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    token_kl,
+    weighted_rewards,
+)
+
+TOL = 1e-6
+N, T = 8, 7  # samples (2 prompts x 4), completion positions
+LENGTHS = np.array([7, 1, 4, 0, 6, 3, 7, 2])  # one sample without tokens (a masked truncated completion)
+MAX_COMPLETION_LENGTH = 10
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+METRIC_NAMES = {  # TRL's logged key -> ours
+    "kl": "kl", "clip_ratio/low_mean": "clip_low_mean", "clip_ratio/high_mean": "clip_high_mean",
+    "clip_ratio/region_mean": "clip_region_mean", "clip_ratio/low_min": "clip_low_min",
+    "clip_ratio/high_max": "clip_high_max", "cispo_clip_ratio": "cispo_clip_ratio",
+    "vespo/phi_seq_mean": "vespo_phi_seq_mean",
+}
+
+
+@pytest.fixture(autouse=True)
+def _x64():
+    """float64 inside these tests only; the rest of the suite keeps JAX's float32 default."""
+    with jax.enable_x64(True):
+        yield
+
+
+@pytest.fixture(scope="module")
+def trl():
+    import torch  # test dependencies: a missing one is an error, never a silent skip
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.trainer.grpo_trainer import GRPOTrainer
+        from trl.trainer.rloo_trainer import RLOOTrainer
+    return types.SimpleNamespace(torch=torch, GRPOTrainer=GRPOTrainer, RLOOTrainer=RLOOTrainer)
+
+
+def _metrics():
+    return defaultdict(lambda: defaultdict(list))
+
+
+def _accelerator(torch):
+    return types.SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1,
+                                 gather=lambda x: x, gather_for_metrics=lambda x: x,
+                                 reduce=lambda x, reduction="sum": x)
+
+
+def _close(ours, ref, what):
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    assert ours.shape == ref.shape, (what, ours.shape, ref.shape)
+    err = float(np.max(np.abs(ours - ref))) if ours.size else 0.0
+    assert err <= TOL, f"{what}: max |Δ| = {err:.3g}\nours {ours}\nTRL  {ref}"
+    return err
+
+
+# ------------------------------------------------------------------------------------ advantages
+
+G, NG = 4, 4  # groups x samples per group for the reward tables (N = 16)
+
+
+def _reward_table(with_nans, seed=0):
+    """[16, 2] rewards: a random group, a tied group (std 0), and, with NaNs, a group with an unscorable
+    row and a half-scored row, and a group with a single scorable row."""
+    rng = np.random.default_rng(seed)
+    r = np.round(rng.normal(0.0, 1.0, size=(G * NG, 2)), 3)
+    r[NG:2 * NG] = [0.5, -1.0]  # every sample of group 1 scores the same
+    if with_nans:
+        r[2 * NG + 1] = np.nan  # unscorable: every function returned None
+        r[2 * NG + 2, 1] = np.nan  # one function failed
+        r[3 * NG + 1:] = np.nan  # group 3: a single scorable row
+    return r
+
+
+WEIGHTS = np.array([1.0, 0.5])
+
+
+def _completion_lists(n_rows, seed=1):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 6, size=n_rows)
+    return [[7, 8]] * n_rows, [list(range(2, 2 + int(k))) for k in lengths], lengths
+
+
+def _generation_self(trl, rewards, group_size, **attrs):
+    """What `_generate_and_score_completions` of GRPOTrainer / RLOOTrainer reads, and nothing more."""
+    torch = trl.torch
+    n_rows = rewards.shape[0]
+    return types.SimpleNamespace(
+        accelerator=_accelerator(torch), model=types.SimpleNamespace(training=True, is_gradient_checkpointing=False),
+        _tokenizer=types.SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None, mask_truncated_completions=False,
+        eos_token_ids=[1], processing_class=None, chat_template_kwargs={},
+        args=types.SimpleNamespace(per_device_train_batch_size=n_rows, per_device_eval_batch_size=n_rows,
+                                   gradient_checkpointing_kwargs=None, steps_per_generation=1,
+                                   gradient_accumulation_steps=1),
+        _calculate_rewards=lambda inputs, prompts, completions, ids: torch.from_numpy(rewards.copy()),
+        num_generations=group_size, num_generations_eval=group_size,
+        reward_weights=torch.from_numpy(WEIGHTS.copy()), reward_func_names=["f0", "f1"], reward_funcs=[None, None],
+        _metrics=_metrics(), _logs={"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
+                                    "extra": defaultdict(list), "images": []},
+        _pending_extra_logs={}, _pending_metrics={}, log_multimodal=False, **attrs)
+
+
+def _trl_grpo_advantages(trl, rewards, group_size, scale, aggregation):
+    prompt_ids, completion_ids, _ = _completion_lists(len(rewards))
+    completions = ["c"] * len(rewards)
+    self = _generation_self(
+        trl, rewards, group_size, environment_factories=None, tools=None, environments=[], num_iterations=1,
+        use_vllm=False, vllm_importance_sampling_correction=False, beta=0.0, ref_model=None,
+        multi_objective_aggregation=aggregation, scale_rewards=scale,
+        _generate=lambda prompts: (prompt_ids, completion_ids, None, completions, None, {}, None, None))
+    inputs = [{"prompt": f"prompt {i // group_size}"} for i in range(len(rewards))]
+    out = trl.GRPOTrainer._generate_and_score_completions(self, inputs)
+    assert out["advantages"].dtype == trl.torch.float64
+    return out["advantages"].numpy(), self._metrics["train"]
+
+
+SCALES, AGGREGATIONS = ("group", "batch", "none"), ("sum_then_normalize", "normalize_then_sum")
+GROUP_SIZES = (1, 2, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _ours_grpo_grid():
+    """Our advantages for the whole grid in ONE jit: one compile instead of one per jnp reduction, shape
+    and option (eager jnp.nan* ops each compile on first use), which keeps the grid fast."""
+    def grid(tables, w):
+        return {f"{n}/{s}/{a}/{nans}": group_advantages(tables[nans], w, n, scale=s, aggregation=a)
+                for n in GROUP_SIZES for s in SCALES for a in AGGREGATIONS for nans in (False, True)}
+
+    tables = {nans: jnp.asarray(_reward_table(nans)) for nans in (False, True)}
+    return jax.jit(grid)(tables, jnp.asarray(WEIGHTS))
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("with_nans", [False, True])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+def test_group_advantages_match_trl(trl, group_size, scale, aggregation, with_nans):
+    rewards = _reward_table(with_nans)
+    ref, trl_metrics = _trl_grpo_advantages(trl, rewards, group_size, scale, aggregation)
+    ours = _ours_grpo_grid()[f"{group_size}/{scale}/{aggregation}/{with_nans}"]
+    assert ours.dtype == jnp.float64 and ours.shape == (len(rewards),)
+    _close(ours, ref, f"GRPO advantages (n={group_size}, scale={scale}, {aggregation})")
+    # The logged reward statistics come from the same weighted reward.
+    w = weighted_rewards(rewards, WEIGHTS)
+    _close([np.nanmean(np.asarray(w))], trl_metrics["reward"], "mean weighted reward")
+
+
+RLOO_BETAS, RLOO_CLIPS = (0.0, 0.05), (None, (-1.0, 1.5))
+
+
+def _rloo_logps():
+    """Fixed old and reference per-token log-probs ([16, 6]) and the completion mask TRL builds."""
+    rng = np.random.default_rng(3)
+    old = -rng.uniform(0.05, 3.0, size=(G * NG, 6))
+    ref = old + rng.normal(0.0, 0.5, size=old.shape)
+    _, _, lengths = _completion_lists(G * NG)
+    return old, ref, (np.arange(old.shape[1])[None] < lengths[:, None]).astype(np.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def _ours_rloo_grid():
+    """Our RLOO advantages for the whole grid in one jit (see _ours_grpo_grid)."""
+    old, ref, mask = _rloo_logps()
+    seq_kl = ((old - ref) * mask).sum(-1)  # Σ_t mask·(old - ref): TRL RLOO's k1 sequence KL
+
+    def grid(tables, w, seq_kl):
+        return {f"{n}/{norm}/{beta}/{clip}/{nans}": rloo_advantages(
+                    tables[nans], w, n, normalize=norm, reward_clip=clip,
+                    kl_penalty=None if beta == 0.0 else beta * seq_kl)
+                for n in (2, 4) for norm in (False, True) for beta in RLOO_BETAS for clip in RLOO_CLIPS
+                for nans in (False, True)}
+
+    tables = {nans: jnp.asarray(_reward_table(nans, seed=2)) for nans in (False, True)}
+    return jax.jit(grid)(tables, jnp.asarray(WEIGHTS), jnp.asarray(seq_kl))
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("with_nans", [False, True])
+@pytest.mark.parametrize("clip", RLOO_CLIPS)
+@pytest.mark.parametrize("beta", RLOO_BETAS)
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("group_size", [2, 4])
+def test_rloo_advantages_match_trl(trl, group_size, normalize, beta, clip, with_nans):
+    rewards = _reward_table(with_nans, seed=2)
+    old, ref, _ = _rloo_logps()
+    want = _trl_rloo_advantages(trl, rewards, group_size, normalize, beta, clip, old, ref)
+    ours = _ours_rloo_grid()[f"{group_size}/{normalize}/{beta}/{clip}/{with_nans}"]
+    assert ours.dtype == jnp.float64
+    _close(ours, want, f"RLOO advantages (n={group_size}, normalize={normalize}, beta={beta}, clip={clip})")
+
+
+def _trl_rloo_advantages(trl, rewards, group_size, normalize, beta, clip, old, ref):
+    torch = trl.torch
+    prompt_ids, completion_ids, _ = _completion_lists(len(rewards))
+    width = max(len(c) for c in completion_ids)
+    policy = types.SimpleNamespace(training=True, is_gradient_checkpointing=False)
+    reference = types.SimpleNamespace(training=False, is_gradient_checkpointing=False)
+
+    def logps(model, *args, **kwargs):
+        return torch.from_numpy((old if model is policy else ref)[:, :width].copy()), None, None
+
+    self = _generation_self(
+        trl, rewards, group_size, model_wrapped=None, beta=beta, ref_model=reference, reward_clip_range=clip,
+        normalize_advantages=normalize, _generate=lambda prompts: (prompt_ids, completion_ids, ["c"] * len(rewards)),
+        _get_per_token_logps_and_entropies=logps)
+    self.model = policy
+    out = trl.RLOOTrainer._generate_and_score_completions(self, [{"prompt": "p"}] * len(rewards))
+    assert out["advantages"].dtype == torch.float64
+    return out["advantages"].numpy()
+
+
+def test_rloo_is_scaled_group_centering():
+    """Without NaNs, RLOO = k/(k-1) · (r - group mean) (Kool et al. 2019)."""
+    rewards = _reward_table(False, seed=4)
+    w = rewards @ WEIGHTS
+    centred = (w.reshape(-1, NG) - w.reshape(-1, NG).mean(1, keepdims=True)).reshape(-1)
+    np.testing.assert_allclose(rloo_advantages(rewards, WEIGHTS, NG), NG / (NG - 1) * centred, rtol=0, atol=1e-12)
+
+
+def _openrlhf_token_level(rewards, group_size, baseline, lengths):
+    """OpenRLHF `compute_advantages_and_returns` (reinforce / reinforce_baseline), transcribed at token
+    level with NumPy: group-mean shaping, the reward at each sample's last action token, γ = 1 returns,
+    then whitening over every action token of the batch (var clamped at 1e-8)."""
+    r = rewards.reshape(-1, group_size)
+    if baseline:
+        r = r - r.mean(-1, keepdims=True)
+    r = r.reshape(-1)
+    width = int(lengths.max())
+    action_mask = (np.arange(width)[None] < lengths[:, None]).astype(np.float64)
+    token_rewards = np.zeros_like(action_mask)
+    token_rewards[np.arange(len(r)), lengths - 1] = r
+    returns = np.flip(np.cumsum(np.flip(token_rewards * action_mask, 1), 1), 1)
+    mean = (returns * action_mask).sum() / action_mask.sum()
+    var = (((returns - mean) ** 2) * action_mask).sum() / action_mask.sum()
+    adv = (returns - mean) / np.sqrt(max(var, 1e-8))
+    return adv[:, 0]  # the advantage is the same on every token of a sample: read the first
+
+
+@pytest.mark.parametrize("baseline", [False, True])
+def test_reinforce_pp_matches_openrlhf_token_whitening(baseline):
+    rng = np.random.default_rng(5)
+    rewards = rng.normal(size=G * NG)
+    lengths = rng.integers(1, 9, size=G * NG)
+    want = _openrlhf_token_level(rewards, NG, baseline, lengths)
+    ours = reinforce_pp_advantages(jnp.asarray(rewards), None, NG, baseline=baseline, lengths=jnp.asarray(lengths))
+    _close(ours, want, "REINFORCE++ (token-weighted whitening)")
+    # Per-sample weighting: zero mean and unit (population) std over the samples.
+    plain = np.asarray(reinforce_pp_advantages(jnp.asarray(rewards), None, NG, baseline=baseline))
+    np.testing.assert_allclose([plain.mean(), plain.std()], [0.0, 1.0], atol=1e-12)
+    if baseline:  # whitening (r - group mean) over the batch
+        c = (rewards.reshape(-1, NG) - rewards.reshape(-1, NG).mean(1, keepdims=True)).reshape(-1)
+        np.testing.assert_allclose(plain, c / c.std(), atol=1e-12)
+
+
+def test_reinforce_pp_unscorable_rows():
+    rewards = _reward_table(True, seed=6)
+    adv = np.asarray(reinforce_pp_advantages(jnp.asarray(rewards), jnp.asarray(WEIGHTS), NG))
+    unscorable = np.isnan(rewards).all(1)
+    assert np.all(np.isfinite(adv)) and np.all(adv[unscorable] == 0)
+    np.testing.assert_allclose([adv[~unscorable].mean(), adv[~unscorable].std()], [0.0, 1.0], atol=1e-12)
+
+
+def test_advantages_jit_and_errors():
+    rewards = jnp.asarray(_reward_table(True), jnp.float32)
+
+    @jax.jit
+    def every_estimator(r):
+        return (group_advantages(r, WEIGHTS, NG, scale="batch"), rloo_advantages(r, WEIGHTS, NG),
+                reinforce_pp_advantages(r, WEIGHTS, NG),
+                group_advantages(r[:, 0], None, NG), group_advantages(r[:, :1], [1.0], NG))
+
+    *outs, one_func, one_column = every_estimator(rewards)
+    for out in outs:
+        assert out.dtype == jnp.float32 and out.shape == (G * NG,) and np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_array_equal(one_func, one_column)  # [N] is one reward function
+    with pytest.raises(ValueError, match="scale"):
+        group_advantages(rewards, WEIGHTS, NG, scale="global")
+    with pytest.raises(ValueError, match="groups of group_size=3"):
+        group_advantages(rewards, WEIGHTS, 3)
+    with pytest.raises(ValueError, match="weights"):
+        rloo_advantages(rewards, [1.0, 2.0, 3.0], NG)
+
+
+# ----------------------------------------------------------------------------------- policy loss
+
+
+def _policy_data(seed=18):
+    rng = np.random.default_rng(seed)
+    mask = (np.arange(T)[None] < LENGTHS[:, None]).astype(np.int64)
+    new = -rng.uniform(0.05, 3.0, size=(N, T))
+    # Old log-probs a per-token and a per-sample shift away: ratios on both sides of every clip range,
+    # at token and at sequence level.
+    old = new + rng.normal(0.0, 0.3, size=(N, T)) + rng.normal(0.0, 0.2, size=(N, 1))
+    ref = new + rng.normal(0.0, 0.5, size=(N, T))
+    adv = rng.normal(0.0, 1.0, size=N)
+    adv[2] = 0.0
+    return dict(new=new, old=old, ref=ref, adv=adv, mask=mask)
+
+
+def _trl_policy_loss(trl, d, *, loss_type, level, epsilon_high, beta, bias, delta=None, on_policy=False,
+                     num_items=None):
+    """(loss, {our metric name: value}, d loss / d new_logps) from GRPOTrainer._compute_loss."""
+    torch = trl.torch
+    new = torch.from_numpy(d["new"].copy()).requires_grad_(True)
+    self = types.SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda model, *a, **kw: (new, torch.zeros_like(new), None),
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level=level, beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high,
+        args=types.SimpleNamespace(use_bias_correction_kl=bias, delta=delta, sapo_temperature_pos=1.0,
+                                   sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                                   vespo_lambda_neg=2.0, steps_per_generation=1),
+        use_vllm=False, vllm_importance_sampling_correction=False, model=types.SimpleNamespace(training=True),
+        current_gradient_accumulation_steps=1, max_completion_length=MAX_COMPLETION_LENGTH,
+        accelerator=_accelerator(torch), _entropy_bonus_enabled=False, _metrics=_metrics(),
+        get_gamma_weights=trl.GRPOTrainer.get_gamma_weights)
+    mask = torch.from_numpy(d["mask"])
+    inputs = {"prompt_ids": torch.ones((N, 2), dtype=torch.long), "prompt_mask": torch.ones((N, 2), dtype=torch.long),
+              "completion_ids": torch.ones((N, T), dtype=torch.long), "completion_mask": mask,
+              "advantages": torch.from_numpy(d["adv"].copy()),
+              "num_items_in_batch": torch.tensor(float(mask.sum() if num_items is None else num_items))}
+    if not on_policy:
+        inputs["old_per_token_logps"] = torch.from_numpy(d["old"].copy())
+    if beta != 0.0:
+        inputs["ref_per_token_logps"] = torch.from_numpy(d["ref"].copy())
+    loss = trl.GRPOTrainer._compute_loss(self, None, inputs)
+    assert loss.dtype == torch.float64
+    loss.backward()
+    logged = {METRIC_NAMES[k]: v[-1] for k, v in self._metrics["train"].items() if k != "entropy"}
+    return loss.item(), logged, new.grad.numpy()
+
+
+def _ours_policy_loss(d, *, loss_type, level, epsilon_high, beta, bias, delta=None, on_policy=False, num_items=None):
+    kwargs = dict(loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high, beta=beta,
+                  ref_logps=jnp.asarray(d["ref"]) if beta != 0.0 else None, importance_sampling_level=level,
+                  max_completion_length=MAX_COMPLETION_LENGTH, kl_bias_correction=bias, delta=delta,
+                  num_tokens=num_items)
+    old = None if on_policy else jnp.asarray(d["old"])
+
+    def loss_fn(new):
+        return policy_loss(new, old, jnp.asarray(d["adv"]), jnp.asarray(d["mask"]), **kwargs)
+
+    (loss, metrics), grad = jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(d["new"]))
+    assert loss.dtype == jnp.float64 and loss.shape == ()
+    assert all(v.shape == () and v.dtype == jnp.float64 for v in metrics.values())
+    return loss, metrics, grad
+
+
+def _compare_policy(trl, what, **cfg):
+    d = _policy_data()
+    t_loss, t_metrics, t_grad = _trl_policy_loss(trl, d, **cfg)
+    loss, metrics, grad = _ours_policy_loss(d, **cfg)
+    assert set(metrics) == set(t_metrics), (what, sorted(metrics), sorted(t_metrics))
+    errs = [_close(loss, t_loss, f"{what}: loss")]
+    errs += [_close(metrics[k], t_metrics[k], f"{what}: metric {k}") for k in sorted(metrics)]
+    errs.append(_close(grad, t_grad, f"{what}: d loss / d new_logps"))
+    return max(errs), t_metrics
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("beta,bias", [(0.0, True), (0.04, True), (0.04, False)])
+@pytest.mark.parametrize("epsilon_high", [0.2, 0.28])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", POLICY_LOSS_TYPES)
+def test_policy_loss_matches_trl(trl, loss_type, level, epsilon_high, beta, bias):
+    _, t_metrics = _compare_policy(trl, f"{loss_type}/{level}/eps_high={epsilon_high}/beta={beta}/bias={bias}",
+                                   loss_type=loss_type, level=level, epsilon_high=epsilon_high, beta=beta, bias=bias)
+    if loss_type in CLIPPED:  # the fixed inputs exercise the clipping on both sides
+        assert t_metrics["clip_low_mean"] > 0 and t_metrics["clip_high_mean"] > 0
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", CLIPPED)
+def test_policy_loss_two_sided_clip_matches_trl(trl, loss_type, level):
+    """δ caps ρ where A < 0 (INTELLECT-2); TRL's clip metrics then see the capped ratio."""
+    _compare_policy(trl, f"{loss_type}/{level}/delta", loss_type=loss_type, level=level, epsilon_high=0.28, beta=0.04,
+                    bias=True, delta=1.5)
+    d = _policy_data()
+    kw = dict(loss_type=loss_type, level=level, epsilon_high=0.28, beta=0.0, bias=True)
+    assert not np.isclose(_ours_policy_loss(d, **kw)[0], _ours_policy_loss(d, delta=1.5, **kw)[0])
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", POLICY_LOSS_TYPES)
+def test_policy_loss_on_policy_matches_trl(trl, loss_type, level):
+    """old_logps=None: TRL's μ = 1 path (old = new.detach()), every ratio 1 but gradients through it."""
+    _compare_policy(trl, f"{loss_type}/{level}/on-policy", loss_type=loss_type, level=level, epsilon_high=0.28,
+                    beta=0.04, bias=True, on_policy=True)
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
+def test_policy_loss_global_token_count_matches_trl(trl, loss_type):
+    """The dapo-style normaliser is the generation batch's token count (`num_items_in_batch`)."""
+    _compare_policy(trl, f"{loss_type}/num_tokens", loss_type=loss_type, level="token", epsilon_high=0.28, beta=0.04,
+                    bias=True, num_items=97)
+
+
+def test_policy_loss_defaults_and_invariants():
+    d = _policy_data(seed=1)
+    new, old, ref, adv, mask = (jnp.asarray(d[k]) for k in ("new", "old", "ref", "adv", "mask"))
+    # dr_grpo's constant defaults to the padded width T.
+    a = policy_loss(new, old, adv, mask, loss_type="dr_grpo")[0]
+    b = policy_loss(new, old, adv, mask, loss_type="dr_grpo", max_completion_length=T)[0]
+    assert a == b
+    # dapo over one full batch equals bnpo; the token count defaults to the mask's.
+    np.testing.assert_allclose(policy_loss(new, old, adv, mask, loss_type="dapo")[0],
+                               policy_loss(new, old, adv, mask, loss_type="bnpo")[0], rtol=1e-14)
+    # Policy = reference ⇒ every KL estimator is 0 (logged when a reference is given, even with beta 0).
+    for est in ("k1", "k2", "k3"):
+        _, metrics = policy_loss(new, old, adv, mask, ref_logps=new, kl_estimator=est)
+        assert metrics["kl"] == 0.0
+    assert "kl" not in policy_loss(new, old, adv, mask)[1]
+    # k3 ≥ 0, and k1 is the log ratio.
+    assert np.all(np.asarray(token_kl(new, ref)) >= 0)
+    np.testing.assert_allclose(token_kl(new, ref, "k1"), new - ref, rtol=1e-14)
+    # On-policy (old = new), the PPO-clip gradient is the plain policy gradient -A/L_i per token (grpo).
+    g = jax.grad(lambda x: policy_loss(x, x, adv, mask, loss_type="grpo")[0])(new)
+    want = -np.asarray(adv)[:, None] * d["mask"] / np.maximum(LENGTHS, 1)[:, None] / N
+    np.testing.assert_allclose(g, want, rtol=1e-12, atol=1e-15)
+    # beta ≠ 0 without a reference is a user error.
+    with pytest.raises(ValueError, match="needs ref_logps"):
+        policy_loss(new, old, adv, mask, beta=0.04)
+    with pytest.raises(ValueError, match="loss_type"):
+        policy_loss(new, old, adv, mask, loss_type="ppo")
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        policy_loss(new, old, adv, mask, importance_sampling_level="batch")
+
+
+def test_policy_loss_jits_and_keeps_float32():
+    """Every loss type traces under jit (no data-dependent Python; one program for all of them), and
+    float32 in gives float32 out."""
+    d = _policy_data(seed=2)
+    args = [jnp.asarray(d[k], jnp.float32) for k in ("new", "old", "adv", "ref")]
+
+    @jax.jit
+    def every_type(n, o, a, r, m):
+        return {f"{t}/{level}": policy_loss(n, o, a, m, loss_type=t, beta=0.04, ref_logps=r,
+                                            importance_sampling_level=level)
+                for t in POLICY_LOSS_TYPES for level in ("token", "sequence")}
+
+    out = every_type(*args, jnp.asarray(d["mask"], bool))
+    for loss, metrics in out.values():
+        assert loss.dtype == jnp.float32 and np.isfinite(float(loss))
+        assert all(v.dtype == jnp.float32 for v in metrics.values())
