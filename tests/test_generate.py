@@ -1,5 +1,7 @@
 """The sampler: greedy parity with transformers, exact log-probabilities, correct sampling, no recompiles."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,11 +60,12 @@ def test_logprobs_equal_trainer_forward(samplers, temperature):
                      key=jax.random.key(3))
     from flax import nnx
 
-    model = nnx.merge(s.graphdef, s.state)
+    # one compiled forward (eager op-by-op dispatch of the blockwise attention loops is slow)
+    forward = jax.jit(lambda st, x: nnx.merge(s.graphdef, st)(x, jnp.arange(x.shape[1])[None]).logits[0])
     for r in range(len(out.lengths)):
         p = prompts[out.prompt_index[r]]
         seq = np.array(p + out.tokens[r].tolist())
-        logits = model(jnp.asarray(seq[None]), jnp.arange(len(seq))[None]).logits[0]
+        logits = forward(s.state, jnp.asarray(seq[None]))
         logp = jax.nn.log_softmax(logits / (temperature or 1.0), axis=-1)
         ref = np.asarray(logp[len(p) - 1:-1][np.arange(new), out.tokens[r]])
         np.testing.assert_allclose(out.logprobs[r], ref, atol=1e-5, rtol=0)
@@ -81,11 +84,16 @@ def _chi2_p(counts, probs):
     return float(gammaincc((len(obs) - 1) / 2, chi2 / 2))
 
 
-def _next_token_probs(s, prompt, temperature=1.0):
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_last(graphdef, state, x):
     from flax import nnx
 
-    model = nnx.merge(s.graphdef, s.state)
-    logits = model(jnp.asarray([prompt]), jnp.arange(len(prompt))[None]).logits[0, -1]
+    return nnx.merge(graphdef, state)(x, jnp.arange(x.shape[1])[None]).logits[0, -1]
+
+
+def _next_token_probs(s, prompt, temperature=1.0):
+
+    logits = _forward_last(s.graphdef, s.state, jnp.asarray([prompt]))
     return np.asarray(jax.nn.softmax(logits.astype(jnp.float32) / temperature), np.float64)
 
 
