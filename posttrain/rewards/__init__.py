@@ -4,6 +4,51 @@
 `*ForSequenceClassification` folder, e.g. from `posttrain rm` + `export_rm_run`).
 """
 
+from posttrain.rewards.functions import (
+    THINK_FORMAT,
+    FormatReward,
+    LengthReward,
+    MathAnswer,
+    OverlongPenalty,
+    RewardFunc,
+    RewardModelReward,
+    answers_match,
+    boxed_contents,
+    combine,
+    extract_answer,
+    format_reward,
+    length_reward,
+    math_answer,
+    math_answer_reward,
+    normalize_answer,
+    overlong_penalty,
+    reward_model_reward,
+    reward_names,
+    score,
+)
 from posttrain.rewards.model import RewardModel, tokenize_completion
 
-__all__ = ["RewardModel", "tokenize_completion"]
+__all__ = [
+    "RewardModel",
+    "tokenize_completion",
+    "RewardFunc",
+    "score",
+    "combine",
+    "reward_names",
+    "math_answer",
+    "math_answer_reward",
+    "MathAnswer",
+    "extract_answer",
+    "boxed_contents",
+    "normalize_answer",
+    "answers_match",
+    "format_reward",
+    "FormatReward",
+    "THINK_FORMAT",
+    "length_reward",
+    "LengthReward",
+    "overlong_penalty",
+    "OverlongPenalty",
+    "reward_model_reward",
+    "RewardModelReward",
+]
