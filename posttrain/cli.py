@@ -1,4 +1,4 @@
-"""`posttrain` command line: `posttrain {sft,dpo,rm,plan,export,generate,demo} ...`.
+"""`posttrain` command line: `posttrain {sft,dpo,rm,grpo,plan,export,generate,demo} ...`.
 
 Every user-caused error (PosttrainError) is printed as one line without a traceback and the
 process exits with code 2. Subcommands for training arrive with their trainers.
@@ -73,6 +73,18 @@ def _rm(args) -> None:
     print(f"[rm] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f}{acc} in {result['seconds']:.1f} s")
 
 
+def _grpo(args) -> None:
+    from posttrain import config as C
+    from posttrain.sharding import is_main_process
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    result = GRPOTrainer(C.load(GRPOConfig, args.config, args.overrides)).train()
+    if result.get("finished") or not is_main_process():
+        return
+    print(f"[grpo] done: {result['step']} steps, reward {result.get('reward/mean', float('nan')):.3f} in "
+          f"{result['seconds']:.1f} s")
+
+
 def _plan(args) -> None:
     import math
 
@@ -139,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="multi-process run: jax.distributed from the environment (JAX_COORDINATOR_ADDRESS, "
                         "JAX_NUM_PROCESSES, JAX_PROCESS_ID; Slurm and TPU pods detected)")
     for name, helptext, fn in (("dpo", "direct preference optimisation (DPO family) from a YAML config", _dpo),
-                               ("rm", "reward model: a score head trained Bradley-Terry from a YAML config", _rm)):
+                               ("rm", "reward model: a score head trained Bradley-Terry from a YAML config", _rm),
+                               ("grpo", "GRPO-family RL with reward functions from a YAML config", _grpo)):
         t = sub.add_parser(name, help=helptext)
         t.add_argument("--config", required=True, help=f"YAML file, e.g. configs/{name}_tiny.yaml")
         t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. dpo.beta=0.05 train.steps=100")

@@ -59,8 +59,9 @@ def test_shared_logps_equal_unshared(hf_checkpoints, family, path, monkeypatch):
             off += len(c)
 
 
-@pytest.mark.parametrize("family,path", [("llama", "blockwise"), ("mistral", "blockwise"), ("gemma3", "blockwise"),
-                                         ("gemma2", "dense")])
+# llama (plain) and gemma3 (sliding-window layers) through the blockwise custom VJP; the dense
+# path's gradient is JAX autodiff of the reference (its log-probs are checked above).
+@pytest.mark.parametrize("family,path", [("llama", "blockwise"), ("gemma3", "blockwise")])
 def test_shared_gradient_equals_unshared(hf_checkpoints, family, path, monkeypatch):
     """d/dweights of a per-branch weighted token mean of the log-probs (DPO / GRPO shaped objective).
 

@@ -188,7 +188,7 @@ def frozen_run(tmp_path_factory, parity_files):
 
 def test_sharded_dpo_matches_one_device(frozen_run, parity_files, tmp_path):
     single, logged = frozen_run
-    trainer = DPOTrainer(config(tmp_path, parity_files[0], **{"sharding.preset": "fsdp_tp"}), progress=False)
+    trainer = DPOTrainer(config(tmp_path, parity_files[0], **{"sharding.preset": "dp"}), progress=False)
     trainer.train()
     assert trainer.mesh.devices.size == 8
     again = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]

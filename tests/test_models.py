@@ -74,14 +74,17 @@ def test_sharded_export_reloads(hf_checkpoints, tmp_path):
 def test_kv_cache_decoding_equals_full_forward(hf_checkpoints, family):
     """Prefill 5 tokens, then decode one at a time: same logits as one full forward."""
     model = from_pretrained(hf_checkpoints[family])
+    graphdef, state = nnx.split(model)
+    # compiled calls: eager op-by-op dispatch of every decode step was most of this test's time
+    fwd = jax.jit(lambda st, x, p, c: nnx.merge(graphdef, st)(x, p, cache=c))
     toks, _, pos = _batch(3)
     full = np.asarray(model(jnp.asarray(toks), jnp.asarray(pos)).logits)
     cache = KVCache.init(model.cfg, B, 16)
-    out = model(jnp.asarray(toks[:, :5]), jnp.asarray(pos[:, :5]), cache=cache)
+    out = fwd(state, jnp.asarray(toks[:, :5]), jnp.asarray(pos[:, :5]), cache)
     steps = [np.asarray(out.logits)]
     cache = out.cache
     for t in range(5, T):
-        out = model(jnp.asarray(toks[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]), cache=cache)
+        out = fwd(state, jnp.asarray(toks[:, t:t + 1]), jnp.asarray(pos[:, t:t + 1]), cache)
         cache = out.cache
         steps.append(np.asarray(out.logits))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=0)
@@ -90,9 +93,13 @@ def test_kv_cache_decoding_equals_full_forward(hf_checkpoints, family):
 
 def test_left_padding_and_packing_match_unpadded(hf_checkpoints):
     """A left-padded row, and two sequences packed in one row, give each sequence's own logits."""
-    model = from_pretrained(hf_checkpoints["gemma3"])
+    graphdef, state = nnx.split(from_pretrained(hf_checkpoints["gemma3"]))
+    fwd = jax.jit(lambda st, x, p, seg: nnx.merge(graphdef, st)(x, p, segment_ids=seg))
     rng = np.random.default_rng(4)
     a, b = rng.integers(3, 97, 6), rng.integers(3, 97, 5)
+
+    def model(x, p, segment_ids=None):
+        return fwd(state, x, p, segment_ids)
 
     def alone(x):
         return np.asarray(model(jnp.asarray(x[None]), jnp.arange(len(x))[None]).logits[0])

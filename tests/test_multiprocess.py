@@ -1,8 +1,7 @@
-"""Two JAX processes on localhost form one 2-device data-parallel mesh and train like one device.
+"""Multi-process helpers (child environment, waiting, killing) and `init_distributed`'s checks.
 
-Each child (tests/mp_worker.py) has one CPU device, joins through `init_distributed` (env vars),
-feeds its own half of the global batch and runs 5 SFT steps; both must end with the losses and
-parameters of a single-process run on the whole batch (<= 1e-5). Children are always killed.
+Two processes training like one device is tested end to end through the CLI in
+test_multiprocess_sft.py (losses, weights, checkpoints and printing against a one-device run).
 """
 
 from __future__ import annotations
@@ -10,11 +9,8 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 
-import mp_worker
-import numpy as np
 import pytest
 
 from posttrain import sharding as sh
@@ -61,37 +57,6 @@ def kill_children(procs, logs):
             p.wait()
     for log in logs:
         log.close()
-
-def test_two_processes_train_like_one_device(tmp_path):
-    port = _free_port()
-    procs, logs = [], []
-    try:
-        for pid in range(2):
-            log = open(tmp_path / f"proc{pid}.log", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "mp_worker.py"),
-                                           str(tmp_path / f"proc{pid}.npz")],
-                                          env=_child_env(port, pid), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
-        ref_losses, ref_params = mp_worker.run(None)  # the single-device reference, while they run
-        wait_children(procs, tmp_path, time.monotonic() + TIMEOUT_S)
-    finally:
-        kill_children(procs, logs)
-
-    results = [np.load(tmp_path / f"proc{pid}.npz") for pid in range(2)]
-    assert [int(r["process"]) for r in results] == [0, 1]
-    ref_sum = float(sum(np.abs(v.astype(np.float64)).sum() for v in ref_params.values()))
-    for r in results:
-        np.testing.assert_allclose(r["losses"], ref_losses, rtol=0, atol=1e-5)
-        assert abs(float(r["checksum"]) - ref_sum) <= 1e-5 * max(1.0, ref_sum)
-        for k, v in ref_params.items():
-            np.testing.assert_allclose(r["param:" + k], v, rtol=0, atol=1e-5, err_msg=k)
-    assert ref_losses[-1] < ref_losses[0]
-    for pid in range(2):  # timings and losses, shown with pytest -s
-        print((tmp_path / f"proc{pid}.log").read_text().strip().splitlines()[-1])
-    print("max |loss diff|", max(float(np.max(np.abs(r["losses"] - ref_losses))) for r in results),
-          "max |param diff|", max(float(np.max(np.abs(r["param:" + k] - v))) for r in results
-                                  for k, v in ref_params.items()))
-
 
 def test_init_distributed_is_a_noop_without_env_and_names_missing_vars(monkeypatch):
     for k in list(os.environ):

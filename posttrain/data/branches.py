@@ -16,6 +16,8 @@ The attention rule (models/attention.py) lets each branch see the prompt and its
 every branch token's log-probability equals the one in the unshared row [prompt | c_i]
 (tests/test_branches.py), while the prompt is computed once instead of k times.
 
+`group_row` lays the score entries out in fixed-width per-branch slots instead (RL groups).
+
 What it is not: a file format (the preference / RL trainers read their rows and call this),
 and not packing of several groups into one row.
 """
@@ -77,6 +79,22 @@ def pad_rows(rows: Sequence[dict], length: int, score_length: int, pad_id: int =
         for f in SCORE_FIELDS:
             out[f][b, :m] = r[f]
     return out
+
+
+def group_row(prompt: Sequence[int], continuations: Sequence[Sequence[int]], width: int) -> dict:
+    """A prefix-shared row whose score entries sit in fixed-width slots: continuation j's token t
+    is entry j * width + t (t < len_j; entries past a continuation's end are padding, weight 0),
+    so per-token arrays reshape to [k, width] (GRPO: the sampler's [n, max_new] layout)."""
+    row = shared_row(prompt, continuations)
+    k = len(continuations)
+    if any(len(c) > width for c in continuations):
+        raise PosttrainError(f"group row: a continuation is longer than the slot width {width}")
+    idx = np.concatenate([j * width + np.arange(len(c)) for j, c in enumerate(continuations)])
+    for f in SCORE_FIELDS:
+        out = np.zeros(k * width, row[f].dtype)
+        out[idx] = row[f]
+        row[f] = out
+    return row
 
 
 def unshared_rows(prompt: Sequence[int], continuations: Sequence[Sequence[int]]) -> list[dict]:

@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 
 
-def branch_logps(model, batch, num_branches: int, *, temperature: float = 1.0):
-    """(token_logps [B, M], sums [B, k], counts [B, k]) for a batch of prefix-shared rows."""
+def branch_logps(model, batch, num_branches: int, *, temperature: float = 1.0, with_entropy: bool = False):
+    """(token_logps [B, M], sums [B, k], counts [B, k]) for a batch of prefix-shared rows; with
+    `with_entropy` also the entropy [B, M] of each scored position's distribution (0 on padding)."""
     out = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
                 branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False)
     h = jnp.take_along_axis(out.hidden[-1], batch["score_src"][..., None], axis=1)  # [B, M, D]
@@ -32,4 +33,7 @@ def branch_logps(model, batch, num_branches: int, *, temperature: float = 1.0):
     onehot = jax.nn.one_hot(batch["score_branch"] - 1, num_branches, dtype=jnp.float32)  # branch 0 (padding) -> 0
     sums = jnp.einsum("bm,bmk->bk", tok * w, onehot)
     counts = jnp.einsum("bm,bmk->bk", w, onehot)
+    if with_entropy:
+        ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+        return tok, sums, counts, jax.lax.stop_gradient(jnp.where(w != 0, ent, 0.0))
     return tok, sums, counts

@@ -58,7 +58,8 @@ WEIGHTS = "trainable.safetensors"
 
 def run_trainer(config, state: TrainState, step: Callable, batches, *, name: str, flops_per_token: float,
                 evaluate: Optional[Callable[[TrainState], dict]] = None, mesh=None, rules=None,
-                summary: str = "", progress: bool = True) -> tuple[TrainState, dict]:
+                summary: str = "", progress: bool = True,
+                host_metrics: Optional[Callable[[], dict]] = None) -> tuple[TrainState, dict]:
     """Train `state` with the jitted `step(state, batch)` up to `config.train.steps`; (state, result).
 
     `name` prefixes printed lines (`[sft] ...`); `summary` is printed once the run is resumed or
@@ -66,7 +67,8 @@ def run_trainer(config, state: TrainState, step: Callable, batches, *, name: str
     -> metrics` runs every `train.eval_every` steps and after the last one, and its metrics go to
     the sinks and the result. `result`: the last logged metrics plus `first_loss`, `seconds` and
     the last evaluation, or `{"step", "finished": True, "seconds"}` when the run folder already
-    holds a finished run (the returned state is then the restored one).
+    holds a finished run (the returned state is then the restored one). `host_metrics()` (e.g.
+    RL rollout statistics since its last call) is merged into every logged record.
     """
     c = config
     t0 = time.perf_counter()
@@ -110,7 +112,8 @@ def run_trainer(config, state: TrainState, step: Callable, batches, *, name: str
     n_dev = 1 if mesh is None else mesh.devices.size
 
     def extra(m):
-        return {"mfu": mfu(m["tokens_per_s"], flops_per_token, peak, n_dev), **memory_stats()}
+        host = host_metrics() if host_metrics is not None else {}
+        return {"mfu": mfu(m["tokens_per_s"], flops_per_token, peak, n_dev), **memory_stats(), **host}
 
     profiler = None
     if c.profile.start_step:

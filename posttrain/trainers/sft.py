@@ -57,7 +57,11 @@ def preset_config(mc, tok: Tokenizer):
 
 def memory_plan(c, model_cfg, mesh_shape: dict) -> dict:
     """`plan.plan` for a training config: one micro-batch, the config's preset, LoRA and remat."""
-    return plan(model_cfg, batch=c.train.micro_batch_size or c.train.batch_size, seq_len=c.data.max_length,
+    if hasattr(c.data, "max_length"):
+        seq = c.data.max_length
+    else:  # a GRPO row: the prompt once, then its n completions
+        seq = c.data.max_prompt_length + c.grpo.num_generations * c.grpo.max_new_tokens
+    return plan(model_cfg, batch=c.train.micro_batch_size or c.train.batch_size, seq_len=seq,
                 mesh_shape=mesh_shape, preset=c.sharding.preset or "dp",
                 trainable="lora" if c.lora.enabled else "full", remat=c.model.remat, lora_rank=c.lora.rank,
                 lora_targets=c.lora.targets)
@@ -147,7 +151,7 @@ class SFTTrainer:
 
 
 def run_config_class(cfg_file: str):
-    """The config class of a run's config.yaml (by its trainer-specific section: dpo, rm, else SFT)."""
+    """The config class of a run's config.yaml (by its trainer-specific section: dpo, rm, grpo, else SFT)."""
     import yaml
 
     try:
@@ -159,6 +163,10 @@ def run_config_class(cfg_file: str):
         from posttrain.trainers.dpo import DPOConfig
 
         return DPOConfig
+    if "grpo" in keys:
+        from posttrain.trainers.grpo import GRPOConfig
+
+        return GRPOConfig
     if "rm" in keys:
         from posttrain.trainers.reward_model import RMConfig
 
@@ -170,7 +178,7 @@ def load_run(run_dir: str):
     """(config, tokenizer, trained model) of a finished run (LoRA adapters still separate)."""
     cfg_file = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_file):
-        raise PosttrainError(f"{cfg_file}: missing; --run must be a folder written by `posttrain sft` / `dpo` / `rm`")
+        raise PosttrainError(f"{cfg_file}: missing; --run must be a folder written by a posttrain trainer")
     config = C.load(run_config_class(cfg_file), cfg_file)
     tok = build_tokenizer(config.model)
     model = build_model(config.model, tok, config.lora)

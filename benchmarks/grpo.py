@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""GRPO step time on the anchor checkpoint, same shapes as ../shared/anchors/trl_bench.py.
+
+--batch completions per step = (--batch / --num-generations) prompts x --num-generations samples,
+--prompt random prompt tokens, exactly --max-completion new tokens (no early stop), temperature 1,
+beta --grpo-beta (0: no reference forward), reward = fraction of even token ids in the completion;
+full fine-tune, AdamW 1e-5, loss dapo. A step is the GRPO trainer's own step (`GRPOTrainer.setup`):
+sampling on the train state's weights (one prefill per prompt), rewards, group advantages, one
+prefix-shared row per prompt, then the train step; timed from the rollout call until the step's
+metrics are on the host. Writes `grpo_step_s` (median, first step dropped; the anchors' key).
+
+Usage: .venv/bin/python benchmarks/grpo.py --threads 2 --json out.json [--ckpt /tmp/tiny-llama]
+       [--batch 64 --num-generations 8 --prompt 256]   (the larger shape of issue #10)
+"""
+
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import ensure_checkpoint, med, parse_args, write  # noqa: E402
+
+args = parse_args([(("--num-generations",), dict(type=int, default=4)),
+                   (("--max-completion",), dict(type=int, default=32)),
+                   (("--grpo-beta",), dict(type=float, default=0.0)),
+                   (("--steps",), dict(type=int, default=6))])
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
+from posttrain import config as C  # noqa: E402
+from posttrain.data.prompts import Prompt  # noqa: E402
+from posttrain.train.lifecycle import place_batch  # noqa: E402
+from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+
+
+def even_fraction(prompts, completions, completion_ids, **_):
+    return [sum(t % 2 == 0 for t in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+def main():
+    ckpt = ensure_checkpoint(args)
+    G = args.num_generations
+    if args.batch % G:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of --num-generations {G}")
+    tmp = tempfile.mkdtemp()
+    with open(os.path.join(tmp, "p.jsonl"), "w") as fh:
+        fh.write('{"prompt": "hello"}\n')
+    cfg = C.from_dict(GRPOConfig, {
+        "model": {"path": ckpt}, "data": {"train": os.path.join(tmp, "p.jsonl"), "max_prompt_length": args.prompt},
+        "grpo": {"num_generations": G, "max_new_tokens": args.max_completion, "temperature": 1.0,
+                 "beta": args.grpo_beta, "rewards": {"last_number": 1.0}},
+        "optim": {"lr": 1e-5, "schedule": "constant", "max_grad_norm": 1.0},
+        "train": {"steps": args.steps, "batch_size": args.batch // G}, "run_dir": os.path.join(tmp, "run")})
+    trainer = GRPOTrainer(cfg, progress=False)
+    trainer.reward_funcs, trainer.reward_weights = [even_fraction], [1.0]  # the anchors' reward
+    rng = np.random.default_rng(0)
+    trainer.prompts = [Prompt(np.asarray([1] + rng.integers(3, args.vocab, args.prompt - 1).tolist(), np.int32),
+                              "", {}) for _ in range(args.batch * (args.steps + 1))]
+    trainer.length = -(-(args.prompt + G * args.max_completion) // 8) * 8
+    parts = trainer.setup()
+    rollout = parts["rollout"]
+    rollout.prompts = trainer.prompts
+    rollout.params = dataclasses.replace(rollout.params, stop_ids=())  # exactly max_completion tokens
+    state, times = parts["state"], []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        batch = rollout(state)
+        state, metrics = parts["step"](state, place_batch(batch))
+        jax.device_get(metrics["loss"])
+        times.append(time.perf_counter() - t0)
+    stats = rollout.metrics()
+    res = {"lib": "posttrain", "jax": jax.__version__, "grpo_step_s": {**med(times[1:]), "first_step_s": times[0]},
+           "grpo_generate_s": stats.get("time/generate_s"), "grpo_mean_completion_len": stats.get("completion/length"),
+           "batch": args.batch, "prompt": args.prompt, "num_generations": G, "max_completion": args.max_completion,
+           "grpo_beta": args.grpo_beta, "threads": args.threads}
+    print(f"[posttrain grpo] grpo_step_s median {res['grpo_step_s']['median']:.3f} s/step (generate "
+          f"{res['grpo_generate_s']:.3f} s, first step {times[0]:.2f} s)", flush=True)
+    write(res, args.json)
+
+
+if __name__ == "__main__":
+    main()

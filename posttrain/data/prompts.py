@@ -1,0 +1,81 @@
+"""Prompt rows for RL: {"prompt": str | [messages], <other columns>} -> token ids + the row's columns.
+
+What it is: `load_prompts(path, tok, max_prompt_length=...)` reads TRL's prompt-only format
+(https://huggingface.co/docs/trl/dataset_formats#prompt-only): "prompt" is a string (tokenized
+with the tokenizer's specials, e.g. BOS) or a list of messages (rendered by the chat template
+with the generation prompt). Every other column (e.g. "answer") is kept and handed to the reward
+functions, as TRL does. A missing or empty prompt, or one longer than `max_prompt_length` tokens
+(the sampler's budget), raises naming FILE:LINE, or is skipped and counted with `skip_bad_rows`.
+
+What it is not: the rollout (`posttrain/rl/rollout.py`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from posttrain.data.formats import _messages
+from posttrain.data.sources import read_rows
+from posttrain.errors import PosttrainError
+
+
+@dataclass
+class Prompt:
+    ids: np.ndarray  # int32 [P]
+    prompt: object  # the row's "prompt" as given (str or messages), for reward functions
+    columns: dict = field(default_factory=dict)  # the row's other columns
+    where: str = ""
+
+
+def tokenize_prompt(row, where: str, tok, max_prompt_length: int) -> Prompt:
+    if not isinstance(row, dict) or "prompt" not in row:
+        have = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise PosttrainError(f"{where}: the row has no 'prompt' column (it has {have}); RL rows are "
+                             f'{{"prompt": str or [messages], ...other columns for the reward functions}}')
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise PosttrainError(f"{where}: 'prompt' is empty; remove the row or fill it in")
+        ids = tok.encode(prompt)
+    elif isinstance(prompt, list):
+        ids = tok.apply_chat_template(_messages(row, "prompt", where), add_generation_prompt=True, where=where)
+    else:
+        raise PosttrainError(f"{where}: 'prompt' must be a string or a list of messages, got "
+                             f"{type(prompt).__name__}")
+    if len(ids) > max_prompt_length:
+        raise PosttrainError(f"{where}: the prompt is {len(ids)} tokens, more than data.max_prompt_length="
+                             f"{max_prompt_length} (the sampler's prompt budget); raise it or shorten the prompt")
+    return Prompt(np.asarray(ids, np.int32), prompt, {k: v for k, v in row.items() if k != "prompt"}, where)
+
+
+def load_prompts(path, tok, *, max_prompt_length: int, skip_bad_rows: bool = False) -> tuple[list[Prompt], dict]:
+    """Every usable prompt of `path`; counts = {"rows", "skipped"}."""
+    counts = {"rows": 0, "skipped": 0}
+    first: list[str] = []
+
+    def bad(err):
+        counts["skipped"] += 1
+        first.append(str(err)) if not first else None
+
+    def on_bad_row(err):
+        counts["rows"] += 1
+        bad(err)
+
+    out = []
+    for row, where in read_rows(path, on_bad_row=on_bad_row if skip_bad_rows else None):
+        counts["rows"] += 1
+        try:
+            out.append(tokenize_prompt(row, where, tok, max_prompt_length))
+        except PosttrainError as err:
+            if not skip_bad_rows:
+                raise
+            bad(err)
+    if first:
+        warnings.warn(f"skipped {counts['skipped']} of {counts['rows']} rows of {path}; the first: {first[0]}",
+                      stacklevel=2)
+    if not out:
+        raise PosttrainError(f"{path}: no usable prompts (rows={counts['rows']}, skipped={counts['skipped']})")
+    return out, counts

@@ -1,0 +1,55 @@
+"""The GRPO trainer's loss function over prefix-shared group rows.
+
+What it is: `make_grpo_loss(...)` returns `loss_fn(policy, batch, *, frozen, rng) -> (loss, metrics)`
+(the convention of `posttrain.losses`, with denom = 1: `policy_loss` already normalises over the
+batch as TRL's loss_type says, so the step must see the whole batch at once, no micro-batches).
+A batch row is one prompt with its n sampled completions as branches (`data.branches.group_row`,
+slot width T = max_new_tokens), so the policy forward pays for the prompt once; the per-token
+log-probs [B, n·T] reshape to the sampler's [B·n, T] layout and go to `policy_loss` with
+  old_logps   batch["old_logps"]  [B, n·T]  the sampler's log-probs (the "old" policy; no forward)
+  advantages  batch["advantages"] [B, n]
+  mask        batch["score_w"]    [B, n·T]  1 on sampled tokens (up to and including a stop token)
+and, when beta > 0, reference log-probs from the policy with its LoRA adapters off (no copy) or
+from the `frozen` copy. Metrics: loss, policy_loss's (kl, clip_region_mean, ...), entropy (masked
+token mean) and logp_mismatch_max = max |trainer − sampler| log-prob over the batch's tokens
+(exactly on-policy at the first of μ iterations: ~1e-6 in float32).
+
+What it is not: the rollout (`posttrain/rl/`) or the advantage estimator (`losses/advantages.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from posttrain.losses.logps import branch_logps
+from posttrain.losses.policy import policy_loss
+from posttrain.models.lora import adapters_off
+
+
+def make_grpo_loss(*, num_generations: int, max_new_tokens: int, temperature: float = 1.0, loss_type: str = "dapo",
+                   epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
+                   importance_sampling_level: str = "token", delta=None, reference: str = "frozen"):
+    n, T = num_generations, max_new_tokens
+
+    def loss_fn(policy, batch, *, frozen=None, rng=None):
+        tok, _, _, ent = branch_logps(policy, batch, n, temperature=temperature, with_entropy=True)
+        N = tok.shape[0] * n
+        new = tok.reshape(N, T)
+        mask = batch["score_w"].reshape(N, T).astype(jnp.float32)
+        old = batch["old_logps"].reshape(N, T)
+        ref = None
+        if beta:
+            ref_model = adapters_off(policy) if reference == "adapters_off" else frozen
+            ref = jax.lax.stop_gradient(branch_logps(ref_model, batch, n, temperature=temperature)[0].reshape(N, T))
+        loss, metrics = policy_loss(new, old, batch["advantages"].reshape(N), mask, loss_type=loss_type,
+                                    epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, ref_logps=ref,
+                                    importance_sampling_level=importance_sampling_level, max_completion_length=T,
+                                    delta=delta)
+        tokens = jnp.maximum(mask.sum(), 1.0)
+        metrics = {**metrics, "loss": loss, "denom": jnp.float32(1.0),
+                   "entropy": jnp.sum(ent.reshape(N, T) * mask) / tokens,
+                   "logp_mismatch_max": jnp.max(jnp.abs(jax.lax.stop_gradient(new) - old) * mask)}
+        return loss, metrics
+
+    return loss_fn
