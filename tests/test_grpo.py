@@ -21,7 +21,7 @@ from posttrain.losses.logps import branch_logps
 from posttrain.tasks import addition
 from posttrain.train.step import merge
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-from posttrain.trainers.sft import SFTTrainer, accuracy, export_run
+from posttrain.trainers.sft import accuracy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = os.path.join(HERE, "data", "grpo_addition.jsonl")
@@ -111,6 +111,26 @@ def test_failing_reward_functions_are_counted_never_fatal(tmp_path):
     assert time.perf_counter() - t0 < 120
 
 
+def split_reward(prompts, completions, **_):
+    """No signal for prompts starting with "8" (every sample scores 0); otherwise the completion's parity."""
+    return [0.0 if p.startswith("8") else float(len(c) % 2) for p, c in zip(prompts, completions)]
+
+
+def test_dynamic_sampling_replaces_groups_without_signal(tmp_path):
+    """DAPO dynamic sampling: groups whose rewards all agree are replaced from further prompts."""
+    rows = [{"prompt": f"{8 if i % 2 else 1}{i}+1=", "answer": "0"} for i in range(40)]
+    path = addition.write_jsonl(rows, str(tmp_path / "p.jsonl"))
+    cfg = config(tmp_path, **{"data.train": path, "grpo.rewards": {"test_grpo:split_reward": 1.0},
+                              "grpo.dynamic_sampling": True, "grpo.max_refills": 4, "grpo.max_new_tokens": 6,
+                              "train.steps": 2})
+    parts = GRPOTrainer(cfg, progress=False).setup()
+    batch = parts["rollout"](parts["state"])
+    stats = parts["rollout"].metrics()
+    assert stats["dynamic_sampling/refills"] >= 1 and stats["dynamic_sampling/no_signal_groups"] == 0, stats
+    adv = batch["advantages"]
+    assert (np.abs(adv).sum(axis=1) > 0).all()  # every group in the batch carries a signal
+
+
 @pytest.mark.parametrize("bad, words", [
     ({"prompt": "1" * 20, "answer": "1"}, "leaves no room|more than data.max_prompt_length"),
     ({"answer": "3"}, "no 'prompt' column"),
@@ -123,6 +143,28 @@ def test_bad_prompt_rows_exit_2_naming_the_line(tmp_path, capsys, bad, words):
     err = capsys.readouterr().err
     assert rc == 2 and f"{path}:2:" in err and re.search(words, err), err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"grpo.rewards": {"last_number": float("nan")}}, "grpo.rewards.last_number: the weight must be a finite"),
+    ({"grpo.overlong_cache": 9}, "grpo.overlong_cache must be in"),
+    ({"grpo.num_generations": 1}, "grpo.num_generations must be >= 2"),
+])
+def test_bad_grpo_settings_name_the_key(tmp_path, over, words):
+    from posttrain.errors import PosttrainError
+
+    with pytest.raises(PosttrainError, match=words):
+        config(tmp_path, **over)
+
+
+def test_lora_dropout_and_reserved_columns_are_refused(tmp_path):
+    from posttrain.errors import PosttrainError
+
+    with pytest.raises(PosttrainError, match="lora.dropout must be 0 for grpo"):
+        GRPOTrainer(config(tmp_path, **{"lora.dropout": 0.1}), progress=False)
+    path = addition.write_jsonl([{"prompt": "1+2=", "completions": "x"}], str(tmp_path / "p.jsonl"))
+    with pytest.raises(PosttrainError, match=f"{path}:1: column 'completions' is reserved"):
+        GRPOTrainer(config(tmp_path, **{"data.train": path}), progress=False)
 
 
 def test_unknown_reward_is_a_config_error(tmp_path, capsys):
@@ -146,22 +188,43 @@ def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+def _sft_to_partial_accuracy(tmp_path, train, pairs, low=0.3):
+    """SFT a from-scratch tiny model on addition until its greedy held-out accuracy first reaches
+    `low` (checked every 50 steps from step 200): the float round-off of the machine (thread
+    counts, CPU generation) moves where a fixed step count lands, so the start is set by accuracy."""
+    from posttrain.data import batches, load_examples
+    from posttrain.losses import sft_loss
+    from posttrain.models import Transformer, preset, save_pretrained
+    from posttrain.tokenizer import byte_tokenizer
+    from posttrain.train import init_state, make_optimizer, make_train_step, schedule
+
+    tok = byte_tokenizer()
+    path = addition.write_jsonl(train, str(tmp_path / "train.jsonl"))
+    examples, _ = load_examples(path, tok, max_length=16)
+    optim = C.OptimSection(lr=1.5e-3, warmup_steps=20, schedule="constant")
+    opt = make_optimizer(optim, schedule(optim, 1000))
+    graphdef, state = init_state(Transformer(preset("demo-tiny", vocab_size=tok.vocab_size), rngs=nnx.Rngs(0)), opt)
+    step = make_train_step(sft_loss, opt, graphdef)
+    data = iter(batches(examples, batch_size=64, seq_len=16, pad_id=tok.pad_id, packing=False, seed=0))
+    for i in range(1, 601):
+        state, _ = step(state, {k: jnp.asarray(v) for k, v in next(data).items()})
+        if i >= 200 and i % 50 == 0:
+            acc = accuracy(merge(graphdef, state), tok, pairs)
+            if acc >= low:
+                break
+    print(f"SFT: {i} steps, greedy held-out accuracy {acc:.3f}")
+    return save_pretrained(merge(graphdef, state), str(tmp_path / "hf"), tokenizer=tok)
+
+
 def test_lora_grpo_raises_greedy_accuracy_of_an_sft_model(tmp_path):
-    """Two-digit addition: SFT to partial accuracy, then LoRA GRPO with an exact-answer reward gains
-    >= 15 points of greedy held-out accuracy in 40 steps."""
+    """Two-digit addition: a tiny model SFT-ed to partial accuracy, then LoRA GRPO with an exact-answer
+    reward gains >= 15 points of greedy held-out accuracy in 40 steps."""
     train, evals = addition.make_pairs(digits=2, seed=0, n_eval=200)
-    addition.write_jsonl(train, str(tmp_path / "train.jsonl"))
     addition.write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in train],
                          str(tmp_path / "prompts.jsonl"))
     pairs = [(r["prompt"], r["completion"]) for r in evals]
-    sft = C.from_dict(C.SFTConfig, {
-        "model": {"preset": "demo-tiny"}, "data": {"train": str(tmp_path / "train.jsonl"), "max_length": 16},
-        "optim": {"lr": 1.5e-3, "warmup_steps": 20, "schedule": "constant"},
-        "train": {"steps": 350, "batch_size": 64, "log_every": 50}, "metrics": {"sinks": ["jsonl"]},
-        "run_dir": str(tmp_path / "sft")})
-    SFTTrainer(sft, progress=False).train()
-    export_run(str(tmp_path / "sft"), str(tmp_path / "hf"))
-    cfg = config(tmp_path, **{"model": {"path": str(tmp_path / "hf")}, "data.train": str(tmp_path / "prompts.jsonl"),
+    hf = _sft_to_partial_accuracy(tmp_path, train, pairs)
+    cfg = config(tmp_path, **{"model": {"path": hf}, "data.train": str(tmp_path / "prompts.jsonl"),
                               "grpo.num_generations": 8, "lora.rank": 8, "train.steps": 40, "train.batch_size": 16,
                               "train.log_every": 10})
     trainer = GRPOTrainer(cfg, progress=False)

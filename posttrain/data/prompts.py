@@ -48,6 +48,10 @@ def tokenize_prompt(row, where: str, tok, max_prompt_length: int) -> Prompt:
     if len(ids) > max_prompt_length:
         raise PosttrainError(f"{where}: the prompt is {len(ids)} tokens, more than data.max_prompt_length="
                              f"{max_prompt_length} (the sampler's prompt budget); raise it or shorten the prompt")
+    reserved = sorted({"prompts", "completions", "completion_ids"} & set(row))
+    if reserved:
+        raise PosttrainError(f"{where}: column {reserved[0]!r} is reserved (reward functions receive prompts, "
+                             f"completions and completion_ids themselves); rename it")
     return Prompt(np.asarray(ids, np.int32), prompt, {k: v for k, v in row.items() if k != "prompt"}, where)
 
 

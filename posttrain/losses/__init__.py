@@ -16,6 +16,16 @@ from posttrain.losses.advantages import (
     rloo_advantages,
     weighted_rewards,
 )
+from posttrain.losses.distill import (
+    DistillationLoss,
+    attention_transfer_loss,
+    check_layer_map,
+    check_pool_size,
+    feature_pool_loss,
+    generalized_jsd,
+    logit_distill_loss,
+    pool_features,
+)
 from posttrain.losses.policy import POLICY_LOSS_TYPES, policy_loss, token_kl
 from posttrain.losses.preference import (
     DPO_LOSS_TYPES,
@@ -45,4 +55,13 @@ __all__ = [
     "POLICY_LOSS_TYPES",
     "policy_loss",
     "token_kl",
+    # distillation
+    "DistillationLoss",
+    "attention_transfer_loss",
+    "check_layer_map",
+    "check_pool_size",
+    "feature_pool_loss",
+    "generalized_jsd",
+    "logit_distill_loss",
+    "pool_features",
 ]

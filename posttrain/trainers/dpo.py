@@ -78,6 +78,14 @@ class DPOConfig:
     run_dir: str = "runs/dpo"  # folder for checkpoints, logs, the config and cached ref log-probs
 
 
+def _weights_stamp(path) -> list:
+    """(name, size, mtime) of a model folder's weight files: a re-export invalidates cached reference log-probs."""
+    if not path or not os.path.isdir(path):
+        return []
+    return sorted((f, os.path.getsize(os.path.join(path, f)), os.path.getmtime(os.path.join(path, f)))
+                  for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
 class DPOTrainer:
     def __init__(self, config: DPOConfig, *, progress: bool = True):
         self.config = config
@@ -135,15 +143,27 @@ class DPOTrainer:
         and written (atomically) once the run folder is ready."""
         c = self.config
         path = os.path.join(c.run_dir, REF_FILE)
-        digest = hashlib.sha256()
+        # The key: the pairs' token ids and lengths, and what defines the reference model.
+        digest = hashlib.sha256(repr((C.to_dict(c.model), C.to_dict(c.lora), _weights_stamp(c.model.path))).encode())
         for p in self.train_pairs + (self.eval_pairs or []):
             for x in (p.prompt, p.chosen, p.rejected):
-                digest.update(x.tobytes() + b"|")
+                digest.update(np.int64(len(x)).tobytes() + x.tobytes())
         key = digest.hexdigest()
+        found = None
         if c.checkpoint.resume and os.path.isfile(path):
             with np.load(path) as f:
                 if str(f["key"]) == key:
-                    return f["train"], (f["eval"] if self.eval_pairs else None)
+                    found = f["train"], (f["eval"] if self.eval_pairs else None)
+        if jax.process_count() > 1:  # computing is collective: every process takes process 0's branch
+            from jax.experimental import multihost_utils
+
+            use = bool(multihost_utils.broadcast_one_to_all(np.int32(found is not None)))
+            if use and found is None:
+                raise PosttrainError(f"{path}: process 0 reads cached reference log-probs that this process does "
+                                     "not see; put run_dir on a file system every process shares")
+            found = found if use else None
+        if found is not None:
+            return found
         train = self.reference_logps(self.train_pairs)
         evals = self.reference_logps(self.eval_pairs) if self.eval_pairs else np.zeros((0, 2), np.float32)
         if sh.is_main_process():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from typing import Literal, Optional
 
 import jax
@@ -96,6 +97,14 @@ class GRPOSection:
             raise PosttrainError("grpo.rewards is empty; name at least one reward function, e.g. {math_answer: 1.0}")
         if self.beta < 0:
             raise PosttrainError(f"grpo.beta must be >= 0, got {self.beta}")
+        for name, w in self.rewards.items():
+            if not math.isfinite(w):
+                raise PosttrainError(f"grpo.rewards.{name}: the weight must be a finite number, got {w}")
+        if self.epsilon_low < 0 or self.epsilon_high < 0 or self.max_refills < 0:
+            raise PosttrainError("grpo.epsilon_low, grpo.epsilon_high and grpo.max_refills must be >= 0")
+        if not 0 <= self.overlong_cache <= self.max_new_tokens:
+            raise PosttrainError(f"grpo.overlong_cache must be in [0, grpo.max_new_tokens={self.max_new_tokens}], "
+                                 f"got {self.overlong_cache}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -134,10 +143,13 @@ def reward_functions(g: GRPOSection, tok) -> tuple[list, list[float]]:
         elif ":" in name:
             mod, _, attr = name.partition(":")
             try:
-                funcs.append(getattr(importlib.import_module(mod), attr))
-            except (ImportError, AttributeError) as err:
-                raise PosttrainError(f"grpo.rewards: cannot import {name!r} ({err}); give "
+                fn = getattr(importlib.import_module(mod), attr)
+            except Exception as err:  # ImportError, AttributeError, SyntaxError in the user's module, ...
+                raise PosttrainError(f"grpo.rewards: cannot import {name!r} ({type(err).__name__}: {err}); give "
                                      "'package.module:function'") from None
+            if not callable(fn):
+                raise PosttrainError(f"grpo.rewards: {name!r} is not a function")
+            funcs.append(fn)
         else:
             raise PosttrainError(f"grpo.rewards: unknown reward {name!r}; use math_answer, last_number, format, "
                                  "overlong, reward_model, or 'package.module:function'")
@@ -152,6 +164,14 @@ class GRPOTrainer:
         if c.train.micro_batch_size not in (None, c.train.batch_size):
             raise PosttrainError("train.micro_batch_size is not supported by grpo (the policy loss normalises over "
                                  "the whole batch); lower train.batch_size instead")
+        if jax.process_count() > 1:
+            raise PosttrainError("posttrain grpo runs in one process for now (the sampler's multi-process "
+                                 "placement is not built); run it without --distributed")
+        if c.lora.enabled and c.lora.dropout > 0:
+            raise PosttrainError("lora.dropout must be 0 for grpo: the sampler would sample from a noised policy "
+                                 "and its log-probs would no longer be the trainer's")
+        if c.train.eval_every:
+            raise PosttrainError("train.eval_every is not supported by grpo (no evaluation set); set it to 0")
         self.tokenizer = build_tokenizer(c.model)
         self.prompts, self.data_stats = load_prompts(c.data.train, self.tokenizer,
                                                      max_prompt_length=c.data.max_prompt_length,
@@ -185,8 +205,10 @@ class GRPOTrainer:
             state = sh.shard_state(state, self.mesh, self.rules)
         raw = make_train_step(self.loss_fn, optimizer, graphdef, schedule=lr, frozen_graphdef=frozen_graphdef,
                               trainable=self.trainable, mesh=self.mesh, rules=self.rules)
+        # one prompt bucket (the longest prompt's): prefill and decode compile once for the whole run
+        longest = max(len(p.ids) for p in self.prompts)
         sampler = Sampler(self.model, max_len=c.data.max_prompt_length + g.max_new_tokens, pad_id=tok.pad_id,
-                          mesh=self.mesh, rules=self.rules)
+                          mesh=self.mesh, rules=self.rules, buckets=(longest,))
         params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                 top_k=g.top_k, n=g.num_generations, stop_ids=tok.eos_ids)
         rollout = GroupRollout(self.prompts, tok, sampler, graphdef, batch_size=c.train.batch_size,

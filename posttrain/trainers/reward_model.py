@@ -70,18 +70,27 @@ class RMConfig:
     run_dir: str = "runs/rm"  # folder for checkpoints, logs and the saved config; default runs/rm
 
 
+def _config_json(path: str) -> dict:
+    f = os.path.join(path, "config.json")
+    try:
+        with open(f) as fh:
+            return json.load(fh)
+    except OSError as err:
+        raise PosttrainError(f"{f}: cannot read it ({err.strerror}); model.path must be a HF folder") from None
+    except json.JSONDecodeError as err:
+        raise PosttrainError(f"{f}:{err.lineno}: not valid JSON ({err.msg}); fix or re-export the folder") from None
+
+
 def _init_std(c: RMConfig) -> float:
     if c.rm.init_std is not None:
         return c.rm.init_std
     if c.model.path:  # transformers initialises a new score head with the config's initializer_range
-        with open(os.path.join(c.model.path, "config.json")) as fh:
-            return float(json.load(fh).get("initializer_range", 0.02))
+        return float(_config_json(c.model.path).get("initializer_range", 0.02))
     return 0.02
 
 
 def _is_classifier(path: str) -> bool:
-    with open(os.path.join(path, "config.json")) as fh:
-        return any(a.endswith("ForSequenceClassification") for a in json.load(fh).get("architectures") or ())
+    return any(a.endswith("ForSequenceClassification") for a in _config_json(path).get("architectures") or ())
 
 
 def build_reward_model(c: RMConfig, tok, mesh=None, rules=None) -> nnx.Module:

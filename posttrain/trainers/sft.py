@@ -57,10 +57,12 @@ def preset_config(mc, tok: Tokenizer):
 
 def memory_plan(c, model_cfg, mesh_shape: dict) -> dict:
     """`plan.plan` for a training config: one micro-batch, the config's preset, LoRA and remat."""
-    if hasattr(c.data, "max_length"):
-        seq = c.data.max_length
-    else:  # a GRPO row: the prompt once, then its n completions
+    if hasattr(c, "grpo"):  # a GRPO row: the prompt once, then its n completions
         seq = c.data.max_prompt_length + c.grpo.num_generations * c.grpo.max_new_tokens
+    elif hasattr(c, "dpo") or hasattr(c, "rm"):  # a pair row [prompt | chosen | rejected]: at most
+        seq = 2 * c.data.max_length - 1  # prompt + the longer answer, plus the other answer
+    else:
+        seq = c.data.max_length
     return plan(model_cfg, batch=c.train.micro_batch_size or c.train.batch_size, seq_len=seq,
                 mesh_shape=mesh_shape, preset=c.sharding.preset or "dp",
                 trainable="lora" if c.lora.enabled else "full", remat=c.model.remat, lora_rank=c.lora.rank,
@@ -156,9 +158,13 @@ def run_config_class(cfg_file: str):
 
     try:
         with open(cfg_file) as fh:
-            keys = set(yaml.safe_load(fh) or {})
-    except (OSError, yaml.YAMLError, TypeError):
+            raw = yaml.safe_load(fh) or {}
+        keys = set(raw)
+        data = raw.get("data") or {}
+    except (OSError, yaml.YAMLError, TypeError, AttributeError):
         return C.SFTConfig  # C.load reports the unreadable file with its location
+    if "grpo" not in keys and isinstance(data, dict) and "max_prompt_length" in data and "max_length" not in data:
+        keys.add("grpo")  # a GRPO config that keeps every grpo default
     if "dpo" in keys:
         from posttrain.trainers.dpo import DPOConfig
 
