@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VPY) -m posttrain.cli demo
 
 test: $(STAMP)
-	$(VPY) -m pytest -q --durations=25
+	$(VPY) -m pytest -q -n 2 --durations=25
 
 lint: $(STAMP)
 	$(VPY) -m ruff check posttrain tests benchmarks

@@ -17,6 +17,27 @@ sys.path.insert(0, os.path.dirname(__file__))
 from hf_models import FAMILIES, make_checkpoint  # noqa: E402
 
 
+@pytest.fixture
+def x64():
+    """float64 inside a test only (`pytestmark = pytest.mark.usefixtures("x64")`); the rest of the
+    suite keeps JAX's float32 default."""
+    import jax
+
+    with jax.enable_x64(True):
+        yield
+
+
+def nested(d: dict, over: dict) -> dict:
+    """`d` with dotted-key overrides applied in place ({"train.steps": 4} sets d["train"]["steps"])."""
+    for k, v in over.items():
+        node = d
+        *path, leaf = k.split(".")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return d
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoints(tmp_path_factory):
     """family -> folder of a tiny random HF checkpoint (built once per test session)."""

@@ -36,11 +36,7 @@ TOL = 1e-6
 ZERO = 1e-10  # "0 to float error" in float64
 
 
-@pytest.fixture(autouse=True)
-def _x64():
-    """float64 inside these tests only; the rest of the suite keeps JAX's float32 default."""
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")  # float64 in these tests only (conftest)
 
 
 @pytest.fixture(scope="module")

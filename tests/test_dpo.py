@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import nested
 from flax import nnx
 
 from posttrain import cli
@@ -42,12 +43,7 @@ def config(tmp_path, data, **over) -> DPOConfig:
          "train": {"steps": 4, "batch_size": 8, "log_every": 1},
          "metrics": {"sinks": ["jsonl"]},
          "run_dir": str(tmp_path / "run")}
-    for k, v in over.items():
-        node = d
-        *path, leaf = k.split(".")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[leaf] = v
+    nested(d, over)
     return C.from_dict(DPOConfig, d)
 
 

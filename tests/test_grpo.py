@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import nested
 from flax import nnx
 
 from posttrain import cli
@@ -36,12 +37,7 @@ def config(tmp_path, **over) -> GRPOConfig:
          "train": {"steps": 3, "batch_size": 4, "log_every": 1},
          "metrics": {"sinks": ["jsonl"]},
          "run_dir": str(tmp_path / "run")}
-    for k, v in over.items():
-        node = d
-        *path, leaf = k.split(".")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[leaf] = v
+    nested(d, over)
     return C.from_dict(GRPOConfig, d)
 
 

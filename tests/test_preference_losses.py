@@ -41,11 +41,7 @@ TOL = 1e-6
 COUPLED = {"aot", "aot_unpaired", "sft"}  # losses that mix the pairs of a batch
 
 
-@pytest.fixture(autouse=True)
-def _x64():
-    """float64 inside these tests only; the rest of the suite keeps JAX's float32 default."""
-    with jax.enable_x64(True):
-        yield
+pytestmark = pytest.mark.usefixtures("x64")  # float64 in these tests only (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ source's position), drops metrics logged after that checkpoint, builds the metri
 profiler, steps `train_loop` with an evaluation hook and a checkpoint hook, and writes the final
 trainable weights (`trainable.safetensors`). Process 0 alone prints and writes files; every
 process joins checkpoint saves / restores and the final gather. Also here: `check_processes`
-(the config fits the processes; call it before anything is written), `place_batch` (a host batch
+(the config fits the processes; call it before anything is written), `training_state` (the
+model's train state and optimizer under the config), `place_batch` (a host batch
 on the devices) and `make_eval` (the denom-weighted metrics over a fixed eval set).
 
 A trainer recipe is then its config (with the shared run_dir / train / checkpoint / metrics /
@@ -50,8 +51,9 @@ from posttrain.errors import PosttrainError
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.loop import FnHook, train_loop
 from posttrain.train.metrics import Profiler, make_sinks, memory_stats, mfu, peak_flops
+from posttrain.train.optim import make_optimizer, schedule
 from posttrain.train.serialize import save_state
-from posttrain.train.step import TrainState, merge
+from posttrain.train.step import TrainState, init_state, merge
 
 WEIGHTS = "trainable.safetensors"
 
@@ -135,6 +137,17 @@ def run_trainer(config, state: TrainState, step: Callable, batches, *, name: str
     result.update(history[-1] if history else {})
     result.update(first_loss=history[0]["loss"] if history else None, seconds=time.perf_counter() - t0)
     return state, result
+
+
+def training_state(config, model, *, trainable, mesh=None, rules=None):
+    """(graphdef, state, optimizer, lr schedule) of `model` under config.optim / config.train: the
+    trainable filter's parameters with AdamW state, placed on the mesh when there is one."""
+    lr = schedule(config.optim, config.train.steps)
+    optimizer = make_optimizer(config.optim, lr)
+    graphdef, state = init_state(model, optimizer, trainable=trainable, seed=config.train.seed)
+    if mesh is not None:  # optimizer state follows the parameters' shardings
+        state = sh.shard_state(state, mesh, rules)
+    return graphdef, state, optimizer, lr
 
 
 def check_processes(config) -> None:

@@ -37,8 +37,15 @@ from posttrain.losses.dpo import make_dpo_loss
 from posttrain.losses.logps import branch_logps
 from posttrain.models import count_params
 from posttrain.models.lora import LoraParam, adapters_off, trainable_fraction
-from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule
-from posttrain.train.lifecycle import check_processes, make_eval, place_batch, prepare_run_dir, run_trainer
+from posttrain.train import make_train_step, merge
+from posttrain.train.lifecycle import (
+    check_processes,
+    make_eval,
+    place_batch,
+    prepare_run_dir,
+    run_trainer,
+    training_state,
+)
 from posttrain.train.metrics import model_flops_per_token
 from posttrain.trainers.sft import build_mesh, build_model, build_tokenizer
 
@@ -184,11 +191,8 @@ class DPOTrainer:
         if not c.dpo.precompute_ref and not c.lora.enabled:  # full fine-tuning: a frozen copy of the start
             frozen_graphdef, frozen = nnx.split(self.model)
             frozen = jax.tree.map(jnp.copy, frozen)  # the train state's buffers are donated
-        lr = schedule(c.optim, c.train.steps)
-        optimizer = make_optimizer(c.optim, lr)
-        graphdef, state = init_state(self.model, optimizer, trainable=self.trainable, seed=c.train.seed)
-        if self.mesh is not None:
-            state = sh.shard_state(state, self.mesh, self.rules)
+        graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
+                                                        rules=self.rules)
         micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)
         raw = make_train_step(self.loss_fn, optimizer, graphdef, micro_batches=micro, schedule=lr,
                               frozen_graphdef=frozen_graphdef, trainable=self.trainable, mesh=self.mesh,

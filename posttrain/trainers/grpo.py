@@ -33,7 +33,6 @@ from flax import nnx
 
 from posttrain import config as C
 from posttrain import rewards as R
-from posttrain import sharding as sh
 from posttrain.data.prompts import load_prompts
 from posttrain.errors import PosttrainError
 from posttrain.generate import Sampler, SamplingParams
@@ -41,8 +40,8 @@ from posttrain.losses.grpo import make_grpo_loss
 from posttrain.models import count_params
 from posttrain.models.lora import LoraParam, trainable_fraction
 from posttrain.rl.rollout import GroupRollout
-from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule
-from posttrain.train.lifecycle import check_processes, run_trainer
+from posttrain.train import make_train_step, merge
+from posttrain.train.lifecycle import check_processes, run_trainer, training_state
 from posttrain.train.metrics import model_flops_per_token
 from posttrain.trainers.sft import build_mesh, build_model, build_tokenizer
 
@@ -198,11 +197,8 @@ class GRPOTrainer:
         if g.beta and not c.lora.enabled:  # full fine-tuning with a KL term: a frozen copy of the start
             frozen_graphdef, frozen = nnx.split(self.model)
             frozen = jax.tree.map(jnp.copy, frozen)
-        lr = schedule(c.optim, c.train.steps)
-        optimizer = make_optimizer(c.optim, lr)
-        graphdef, state = init_state(self.model, optimizer, trainable=self.trainable, seed=c.train.seed)
-        if self.mesh is not None:
-            state = sh.shard_state(state, self.mesh, self.rules)
+        graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
+                                                        rules=self.rules)
         raw = make_train_step(self.loss_fn, optimizer, graphdef, schedule=lr, frozen_graphdef=frozen_graphdef,
                               trainable=self.trainable, mesh=self.mesh, rules=self.rules)
         # one prompt bucket (the longest prompt's): prefill and decode compile once for the whole run

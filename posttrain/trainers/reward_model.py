@@ -25,7 +25,6 @@ from typing import Optional
 from flax import nnx
 
 from posttrain import config as C
-from posttrain import sharding as sh
 from posttrain.data.preference import load_pairs, pair_arrays, pair_batches, pair_shapes
 from posttrain.errors import PosttrainError
 from posttrain.losses.reward import make_reward_loss
@@ -33,8 +32,8 @@ from posttrain.models import count_params, from_pretrained, save_pretrained
 from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head
 from posttrain.models.lora import apply_lora, merge_lora
 from posttrain.plan import format_plan
-from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule
-from posttrain.train.lifecycle import WEIGHTS, check_processes, make_eval, run_trainer
+from posttrain.train import make_train_step, merge
+from posttrain.train.lifecycle import WEIGHTS, check_processes, make_eval, run_trainer, training_state
 from posttrain.train.metrics import model_flops_per_token
 from posttrain.train.serialize import load_state
 from posttrain.trainers.sft import build_mesh, build_model, build_tokenizer, memory_plan
@@ -141,11 +140,8 @@ class RMTrainer:
         c, tok = self.config, self.tokenizer
         n_params = count_params(self.model)
         frac = count_params(nnx.state(self.model, self.trainable)) / n_params if c.lora.enabled else 1.0
-        lr = schedule(c.optim, c.train.steps)
-        optimizer = make_optimizer(c.optim, lr)
-        graphdef, state = init_state(self.model, optimizer, trainable=self.trainable, seed=c.train.seed)
-        if self.mesh is not None:  # optimizer state follows the parameters' shardings
-            state = sh.shard_state(state, self.mesh, self.rules)
+        graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
+                                                        rules=self.rules)
         micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)
         step = make_train_step(self.loss_fn, optimizer, graphdef, micro_batches=micro, schedule=lr,
                                trainable=self.trainable, mesh=self.mesh, rules=self.rules)

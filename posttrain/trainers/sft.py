@@ -28,8 +28,8 @@ from posttrain.models import Transformer, count_params, from_pretrained, preset,
 from posttrain.models.lora import LoraParam, apply_lora, merge_lora, trainable_fraction
 from posttrain.plan import format_plan, plan
 from posttrain.tokenizer import Tokenizer, byte_tokenizer
-from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule
-from posttrain.train.lifecycle import WEIGHTS, check_processes, make_eval, run_trainer
+from posttrain.train import make_train_step, merge
+from posttrain.train.lifecycle import WEIGHTS, check_processes, make_eval, run_trainer, training_state
 from posttrain.train.metrics import model_flops_per_token
 from posttrain.train.serialize import load_state
 
@@ -124,11 +124,8 @@ class SFTTrainer:
         c, tok = self.config, self.tokenizer
         n_params = count_params(self.model)
         frac = trainable_fraction(self.model) if c.lora.enabled else 1.0
-        lr = schedule(c.optim, c.train.steps)
-        optimizer = make_optimizer(c.optim, lr)
-        graphdef, state = init_state(self.model, optimizer, trainable=self.trainable, seed=c.train.seed)
-        if self.mesh is not None:  # optimizer state follows the parameters' shardings
-            state = sh.shard_state(state, self.mesh, self.rules)
+        graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
+                                                        rules=self.rules)
         micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)
         step = make_train_step(self.loss_fn, optimizer, graphdef, micro_batches=micro,
                                schedule=lr, trainable=self.trainable,
