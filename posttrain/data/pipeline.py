@@ -30,14 +30,13 @@ rules (`formats.py`) and no file formats (`sources.py`).
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass
 
 import grain
 import numpy as np
 
 from posttrain.data.formats import tokenize_row
-from posttrain.data.sources import read_rows
+from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
 TRUNCATION = ("error", "keep_start", "keep_end", "drop")
@@ -69,27 +68,9 @@ def load_examples(
             f"max_length={max_length!r} must be an int >= 2 (a target needs a token before it)"
         )
     counts = {"rows": 0, "skipped": 0, "truncated": 0, "dropped": 0}
-    first_bad: list[str] = []
-
-    def skip(err: PosttrainError) -> None:
-        counts["skipped"] += 1
-        if not first_bad:
-            first_bad.append(str(err))
-
-    def on_bad_row(err: PosttrainError) -> None:  # a line the source itself could not parse
-        counts["rows"] += 1
-        skip(err)
-
     examples = []
-    for row, where in read_rows(path, on_bad_row=on_bad_row if skip_bad_rows else None):
-        counts["rows"] += 1
-        try:
-            ids, mask = tokenize_row(row, where, tok, **format_kw)
-        except PosttrainError as err:
-            if not skip_bad_rows:
-                raise
-            skip(err)
-            continue
+    parse = lambda row, where: tokenize_row(row, where, tok, **format_kw)  # noqa: E731
+    for (ids, mask), where in parse_rows(path, parse, counts, skip_bad_rows=skip_bad_rows):
         if len(ids) > max_length:
             if truncation == "error":
                 raise PosttrainError(
@@ -109,13 +90,6 @@ def load_examples(
                 continue
             counts["truncated"] += 1
         examples.append(Example(np.asarray(ids, np.int32), np.asarray(mask, np.int32), where))
-    if first_bad:
-        # One warning for the whole file, not one per row: a bad export can have thousands.
-        warnings.warn(
-            f"skipped {counts['skipped']} of {counts['rows']} rows of {path} that could not be used; "
-            f"the first: {first_bad[0]}",
-            stacklevel=2,
-        )
     if not examples:
         raise PosttrainError(
             f"{path}: no usable examples (rows={counts['rows']}, skipped={counts['skipped']}, "

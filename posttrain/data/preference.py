@@ -31,7 +31,6 @@ What it is not: the loss (`losses/dpo.py`, `losses/preference.py`) or the traine
 from __future__ import annotations
 
 import functools
-import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -40,7 +39,7 @@ import numpy as np
 
 from posttrain.data.branches import pad_rows, shared_row
 from posttrain.data.formats import _messages
-from posttrain.data.sources import read_rows
+from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
 PAIR_TRUNCATION = ("error", "truncate", "drop")
@@ -137,35 +136,18 @@ def load_pairs(path, tok, *, max_length: int, max_prompt_length: Optional[int] =
     if truncation not in PAIR_TRUNCATION:
         raise PosttrainError(f"truncation={truncation!r}: use one of {', '.join(PAIR_TRUNCATION)}")
     counts = {"rows": 0, "skipped": 0, "truncated": 0, "dropped": 0}
-    first_bad: list[str] = []
 
-    def skip(err):
-        counts["skipped"] += 1
-        first_bad.append(str(err)) if not first_bad else None
-
-    def on_bad_row(err):
-        counts["rows"] += 1
-        skip(err)
+    def parse(row, where):
+        p, c, r, margin = tokenize_pair(row, where, tok)
+        return _fit(p, c, r, where, max_length, max_prompt_length, truncation) + (margin,)
 
     pairs = []
-    for row, where in read_rows(path, on_bad_row=on_bad_row if skip_bad_rows else None):
-        counts["rows"] += 1
-        try:
-            p, c, r, margin = tokenize_pair(row, where, tok)
-            p, c, r, status = _fit(p, c, r, where, max_length, max_prompt_length, truncation)
-        except PosttrainError as err:
-            if not skip_bad_rows:
-                raise
-            skip(err)
-            continue
+    for (p, c, r, status, margin), where in parse_rows(path, parse, counts, skip_bad_rows=skip_bad_rows):
         if status:
             counts[status] += 1
             if status == "dropped":
                 continue
         pairs.append(Pair(*(np.asarray(x, np.int32) for x in (p, c, r)), where=where, margin=margin))
-    if first_bad:
-        warnings.warn(f"skipped {counts['skipped']} of {counts['rows']} rows of {path} that could not be used; "
-                      f"the first: {first_bad[0]}", stacklevel=2)
     if not pairs:
         raise PosttrainError(f"{path}: no usable preference pairs (rows={counts['rows']}, skipped="
                              f"{counts['skipped']}, dropped={counts['dropped']}); rows must be {ACCEPTED}")

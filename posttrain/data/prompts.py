@@ -12,13 +12,12 @@ What it is not: the rollout (`posttrain/rl/rollout.py`).
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from posttrain.data.formats import _messages
-from posttrain.data.sources import read_rows
+from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
 
@@ -58,28 +57,8 @@ def tokenize_prompt(row, where: str, tok, max_prompt_length: int) -> Prompt:
 def load_prompts(path, tok, *, max_prompt_length: int, skip_bad_rows: bool = False) -> tuple[list[Prompt], dict]:
     """Every usable prompt of `path`; counts = {"rows", "skipped"}."""
     counts = {"rows": 0, "skipped": 0}
-    first: list[str] = []
-
-    def bad(err):
-        counts["skipped"] += 1
-        first.append(str(err)) if not first else None
-
-    def on_bad_row(err):
-        counts["rows"] += 1
-        bad(err)
-
-    out = []
-    for row, where in read_rows(path, on_bad_row=on_bad_row if skip_bad_rows else None):
-        counts["rows"] += 1
-        try:
-            out.append(tokenize_prompt(row, where, tok, max_prompt_length))
-        except PosttrainError as err:
-            if not skip_bad_rows:
-                raise
-            bad(err)
-    if first:
-        warnings.warn(f"skipped {counts['skipped']} of {counts['rows']} rows of {path}; the first: {first[0]}",
-                      stacklevel=2)
+    parse = lambda row, where: tokenize_prompt(row, where, tok, max_prompt_length)  # noqa: E731
+    out = [p for p, _ in parse_rows(path, parse, counts, skip_bad_rows=skip_bad_rows)]
     if not out:
         raise PosttrainError(f"{path}: no usable prompts (rows={counts['rows']}, skipped={counts['skipped']})")
     return out, counts

@@ -16,8 +16,10 @@ random access: rows are read once, in file order, by `pipeline.load_examples`.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from posttrain.errors import PosttrainError
 
@@ -48,6 +50,39 @@ def read_rows(path, *, on_bad_row: OnBadRow | None = None) -> Iterator[tuple[dic
         yield from _read_parquet(p)
     else:
         raise PosttrainError(f"data file {p} has an unknown extension {p.suffix!r}; use {ACCEPTED}")
+
+
+def parse_rows(path, parse: Callable[[dict, str], Any], counts: dict, *,
+               skip_bad_rows: bool = False) -> Iterator[tuple[Any, str]]:
+    """(parse(row, where), where) for every row of `path`, counting rows in counts["rows"].
+
+    A row that cannot be read or parsed (PosttrainError) raises, or with `skip_bad_rows` is skipped
+    and counted in counts["skipped"]; the whole file then gets one warning naming the first such
+    row (a bad export can have thousands). The loaders of every trainer's data use this."""
+    first: list[str] = []
+
+    def skip(err: PosttrainError) -> None:
+        counts["skipped"] += 1
+        if not first:
+            first.append(str(err))
+
+    def on_bad_row(err: PosttrainError) -> None:  # a line the source itself could not parse
+        counts["rows"] += 1
+        skip(err)
+
+    for row, where in read_rows(path, on_bad_row=on_bad_row if skip_bad_rows else None):
+        counts["rows"] += 1
+        try:
+            out = parse(row, where)
+        except PosttrainError as err:
+            if not skip_bad_rows:
+                raise
+            skip(err)
+            continue
+        yield out, where
+    if first:
+        warnings.warn(f"skipped {counts['skipped']} of {counts['rows']} rows of {path} that could not be used; "
+                      f"the first: {first[0]}", stacklevel=3)
 
 
 def _read_jsonl(path: Path, on_bad_row: OnBadRow | None) -> Iterator[tuple[dict, str]]:

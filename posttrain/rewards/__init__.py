@@ -14,7 +14,6 @@ from posttrain.rewards.functions import (
     RewardModelReward,
     answers_match,
     boxed_contents,
-    combine,
     extract_answer,
     format_reward,
     length_reward,
@@ -23,10 +22,9 @@ from posttrain.rewards.functions import (
     normalize_answer,
     overlong_penalty,
     reward_model_reward,
-    reward_names,
-    score,
 )
 from posttrain.rewards.model import RewardModel, tokenize_completion
+from posttrain.rewards.runner import combine, reward_names, score
 
 __all__ = [
     "RewardModel",

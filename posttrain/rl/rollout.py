@@ -7,7 +7,7 @@ with the current TrainState before every step):
      (`Sampler.update(merge(graphdef, state))`: no copy and, shapes being equal, no recompile);
      each prompt is prefilled once and its cache shared by its n samples; the PRNG key of
      rollout r is fold_in(key(seed), r), so a resumed run samples exactly what it would have;
-  3. rewards from the reward functions (`rewards/functions.score`: failures counted, never fatal;
+  3. rewards from the reward functions (`rewards/runner.score`: failures counted, never fatal;
      dropped samples leave the loss), weighted and turned into advantages (`group_advantages`);
      DAPO dynamic sampling optionally replaces groups whose rewards do not vary (no signal) with
      groups of further prompts, a bounded number of tries;
@@ -39,7 +39,7 @@ from posttrain.data.branches import ROW_FIELDS, SCORE_FIELDS, group_row
 from posttrain.data.prompts import Prompt
 from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.advantages import group_advantages
-from posttrain.rewards.functions import score as score_rewards
+from posttrain.rewards.runner import score as score_rewards
 from posttrain.train.step import merge
 
 

@@ -117,6 +117,7 @@ class DPOTrainer:
             raise PosttrainError(f"a pair row is {self.length} tokens (prompt + both answers), more than the model's "
                                  f"maximum position {self.model.cfg.max_position}; lower data.max_length")
         self.trainable = LoraParam if c.lora.enabled else nnx.Param
+        self._ref_fn = None
         d = c.dpo
         self.loss_fn = make_dpo_loss(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
                                      reference=None if d.precompute_ref else ("adapters_off" if c.lora.enabled
@@ -130,19 +131,20 @@ class DPOTrainer:
         """[N, 2] summed (chosen, rejected) log-probs of `pairs` under the initial model (the reference)."""
         model = adapters_off(self.model) if self.config.lora.enabled else self.model
         graphdef, state = nnx.split(model)
+        if self._ref_fn is None:  # one compiled forward for the train and the eval pairs (same shapes)
+            def fn(gd, st, b):
+                with sh.use_mesh(self.mesh, self.rules):
+                    return branch_logps(nnx.merge(gd, st), b, 2)[1]
 
-        @jax.jit
-        def fn(st, b):
-            with sh.use_mesh(self.mesh, self.rules):
-                return branch_logps(nnx.merge(graphdef, st), b, 2)[1]
-
+            self._ref_fn = jax.jit(fn, static_argnums=0)
         arrays, bs, out = self._arrays(pairs), self.config.train.batch_size, []
         for i in range(0, len(pairs), bs):
             chunk = {k: v[i:i + bs] for k, v in arrays.items()}
             n = len(chunk["tokens"])
             if n < bs:  # one compiled shape: pad the last chunk with copies of its first row
                 chunk = {k: np.concatenate([v, np.repeat(v[:1], bs - n, 0)]) for k, v in chunk.items()}
-            out.append(np.asarray(sh.to_host(fn(state, place_batch(chunk, self.mesh, self.rules))))[:n])
+            logps = self._ref_fn(graphdef, state, place_batch(chunk, self.mesh, self.rules))
+            out.append(np.asarray(sh.to_host(logps))[:n])
         return np.concatenate(out).astype(np.float32)
 
     def _cached_reference(self) -> tuple[np.ndarray, np.ndarray | None]:
