@@ -1,4 +1,4 @@
-"""`posttrain` command line: `posttrain {sft,dpo,rm,grpo,plan,export,generate,demo} ...`.
+"""`posttrain` command line: `posttrain {sft,dpo,rm,grpo,distill,plan,export,generate,demo} ...`.
 
 Every user-caused error (PosttrainError) is printed as one line without a traceback and the
 process exits with code 2. Subcommands for training arrive with their trainers.
@@ -37,52 +37,45 @@ def _generate(args) -> None:
         print(f"{prefix}{text}")
 
 
-def _sft(args) -> None:
-    from posttrain import config as C
-    from posttrain.trainers.sft import SFTTrainer
+def _done(name, r) -> str:
+    """The one line a finished training run prints."""
+    line = f"[{name}] done: loss {r['first_loss']:.4f} -> {r['loss']:.4f}"
+    if name == "dpo":
+        line += f", reward accuracy {r['rewards/accuracies']:.1%}"
+    elif name == "rm" and "eval_accuracy" in r:
+        line += f", held-out accuracy {r['eval_accuracy']:.3f}"
+    elif name == "grpo":
+        line = f"[grpo] done: {r['step']} steps, reward {r.get('reward/mean', float('nan')):.3f}"
+    elif name == "distill":
+        if "eval_teacher_kl" in r:
+            line += f", held-out KL(teacher||student) {r['eval_teacher_kl']:.4f}"
+        line += f", top-1 agreement {r.get('eval_top1_agreement', r['top1_agreement']):.1%}"
+    return f"{line} in {r['seconds']:.1f} s"
 
-    result = SFTTrainer(C.load(C.SFTConfig, args.config, args.overrides)).train()
+
+# subcommand -> (module under posttrain.trainers, config class, trainer class, help)
+TRAINERS = {
+    "sft": ("sft", "SFTConfig", "SFTTrainer", "supervised fine-tuning (full or LoRA) from a YAML config"),
+    "dpo": ("dpo", "DPOConfig", "DPOTrainer", "direct preference optimisation (DPO family) from a YAML config"),
+    "rm": ("reward_model", "RMConfig", "RMTrainer", "reward model: a score head trained Bradley-Terry"),
+    "grpo": ("grpo", "GRPOConfig", "GRPOTrainer", "GRPO-family RL with reward functions from a YAML config"),
+    "distill": ("distill", "DistillConfig", "DistillTrainer", "knowledge distillation of a teacher into a student"),
+}
+
+
+def _train(args) -> None:
+    import importlib
+
+    from posttrain import config as C
     from posttrain.sharding import is_main_process
 
+    module, cfg_name, trainer_name, _ = TRAINERS[args.command]
+    mod = importlib.import_module(f"posttrain.trainers.{module}")
+    cfg_cls = getattr(C, cfg_name, None) or getattr(mod, cfg_name)
+    result = getattr(mod, trainer_name)(C.load(cfg_cls, args.config, args.overrides)).train()
     if result.get("finished") or not is_main_process():  # one process reports
         return
-    print(f"[sft] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f} in {result['seconds']:.1f} s")
-
-
-def _dpo(args) -> None:
-    from posttrain import config as C
-    from posttrain.sharding import is_main_process
-    from posttrain.trainers.dpo import DPOConfig, DPOTrainer
-
-    result = DPOTrainer(C.load(DPOConfig, args.config, args.overrides)).train()
-    if result.get("finished") or not is_main_process():
-        return
-    print(f"[dpo] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f}, reward accuracy "
-          f"{result['rewards/accuracies']:.1%} in {result['seconds']:.1f} s")
-
-
-def _rm(args) -> None:
-    from posttrain import config as C
-    from posttrain.sharding import is_main_process
-    from posttrain.trainers.reward_model import RMConfig, RMTrainer
-
-    result = RMTrainer(C.load(RMConfig, args.config, args.overrides)).train()
-    if result.get("finished") or not is_main_process():  # one process reports
-        return
-    acc = f", held-out accuracy {result['eval_accuracy']:.3f}" if "eval_accuracy" in result else ""
-    print(f"[rm] done: loss {result['first_loss']:.4f} -> {result['loss']:.4f}{acc} in {result['seconds']:.1f} s")
-
-
-def _grpo(args) -> None:
-    from posttrain import config as C
-    from posttrain.sharding import is_main_process
-    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-
-    result = GRPOTrainer(C.load(GRPOConfig, args.config, args.overrides)).train()
-    if result.get("finished") or not is_main_process():
-        return
-    print(f"[grpo] done: {result['step']} steps, reward {result.get('reward/mean', float('nan')):.3f} in "
-          f"{result['seconds']:.1f} s")
+    print(_done(args.command, result))
 
 
 def _plan(args) -> None:
@@ -143,21 +136,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="float32", help="parameter dtype: float32 | bfloat16")
     g.set_defaults(func=_generate)
-    s = sub.add_parser("sft", help="supervised fine-tuning (full or LoRA) from a YAML config")
-    s.add_argument("--config", required=True, help="YAML file, e.g. configs/sft_tiny.yaml")
-    s.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 train.steps=100")
-    s.set_defaults(func=_sft)
-    s.add_argument("--distributed", action="store_true",
-                   help="multi-process run: jax.distributed from the environment (JAX_COORDINATOR_ADDRESS, "
-                        "JAX_NUM_PROCESSES, JAX_PROCESS_ID; Slurm and TPU pods detected)")
-    for name, helptext, fn in (("dpo", "direct preference optimisation (DPO family) from a YAML config", _dpo),
-                               ("rm", "reward model: a score head trained Bradley-Terry from a YAML config", _rm),
-                               ("grpo", "GRPO-family RL with reward functions from a YAML config", _grpo)):
+    for name, (_, _, _, helptext) in TRAINERS.items():
         t = sub.add_parser(name, help=helptext)
         t.add_argument("--config", required=True, help=f"YAML file, e.g. configs/{name}_tiny.yaml")
-        t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. dpo.beta=0.05 train.steps=100")
-        t.add_argument("--distributed", action="store_true", help="multi-process run, as for `posttrain sft`")
-        t.set_defaults(func=fn)
+        t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 train.steps=100")
+        t.add_argument("--distributed", action="store_true",
+                       help="multi-process run: jax.distributed from the environment (JAX_COORDINATOR_ADDRESS, "
+                            "JAX_NUM_PROCESSES, JAX_PROCESS_ID; Slurm and TPU pods detected)")
+        t.set_defaults(func=_train)
     p = sub.add_parser("plan", help="per-device memory of a training config (parameters, optimizer, ...)")
     p.add_argument("--config", required=True, help="YAML file of a training run")
     p.add_argument("overrides", nargs="*", help="dotted overrides, as for `posttrain sft`")
@@ -165,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", type=float, default=None, help="GiB per device; warn when the plan exceeds it")
     p.set_defaults(func=_plan)
     e = sub.add_parser("export", help="write a finished run as a Hugging Face folder (LoRA merged)")
-    e.add_argument("--run", required=True, help="run folder written by `posttrain sft`, `dpo` or `rm`")
+    e.add_argument("--run", required=True, help="run folder written by a posttrain trainer")
     e.add_argument("--out", required=True, help="output Hugging Face folder")
     e.add_argument("--dtype", default=None, help="weights dtype of the export (default: the run's)")
     e.set_defaults(func=_export)

@@ -6,7 +6,7 @@ typo or a wrong value fails at startup with a message naming the dotted key; (B)
 sections shared by all trainers (model, data, optim, lora, train) and the SFT config.
 
 What it is not: not a general schema library (field types: int, float, str, bool, Optional[X],
-tuple[X, ...], Literal[...], nested dataclasses, dict[str, X]; anything else is a bug in the
+tuple[X, ...], Literal[...], nested dataclasses, dict[str, X], dict[int, X]; anything else is a bug in the
 dataclass, raised as TypeError), and it does not resolve paths or load models or data: sections
 only hold and validate values. Trainer-specific configs (DPO, GRPO, ...) live next to their
 trainers and reuse these sections.
@@ -59,7 +59,7 @@ def _describe(tp) -> str:
     if origin is tuple:
         return f"a list of {_describe(args[0])}"
     if origin is dict:
-        return f"a mapping of str to {_describe(args[1])}"
+        return f"a mapping of {_describe(args[0])} to {_describe(args[1])}"
     if dataclasses.is_dataclass(tp):
         return f"a mapping (section {tp.__name__})"
     return {bool: "bool (true or false)", int: "int", float: "float", str: "str"}.get(tp, str(tp))
@@ -91,8 +91,8 @@ def _convert(tp, value, key: str, where: str):
         if not isinstance(value, (list, tuple)):
             raise _type_error(where, key, tp, value, "; write a list, e.g. [a, b]")
         return tuple(_convert(args[0], v, f"{key}[{i}]", where) for i, v in enumerate(value))
-    if origin is dict:
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+    if origin is dict:  # str keys, or int keys (layer maps; YAML reads `0: 3` as int: int)
+        if not isinstance(value, Mapping) or not all(type(k) is args[0] for k in value):
             raise _type_error(where, key, tp, value)
         return {k: _convert(args[1], v, f"{key}.{k}", where) for k, v in value.items()}
     if tp is bool or (tp in (int, float) and isinstance(value, bool)):

@@ -168,6 +168,13 @@ PRESETS: dict[str, ModelConfig] = {
     "demo-tiny": ModelConfig(
         family="llama", vocab_size=263, embed_dim=128, num_layers=3, num_heads=4, num_kv_heads=4,
         head_dim=32, mlp_dim=512, max_position=512, rope=RopeConfig(theta=10_000.0)),
+    # Distillation in the tests and the demo: a 4-layer teacher and a 2-layer student of half its width.
+    "tiny-teacher": ModelConfig(
+        family="llama", vocab_size=263, embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=4,
+        head_dim=32, mlp_dim=512, max_position=512, rope=RopeConfig(theta=10_000.0)),
+    "tiny-student": ModelConfig(
+        family="llama", vocab_size=263, embed_dim=64, num_layers=2, num_heads=2, num_kv_heads=2,
+        head_dim=32, mlp_dim=256, max_position=512, rope=RopeConfig(theta=10_000.0)),
     # The anchor benchmark shape (../shared/anchors): a tiny Llama 3.
     "tiny-llama": ModelConfig(
         family="llama", vocab_size=2048, embed_dim=256, num_layers=4, num_heads=4, num_kv_heads=4,

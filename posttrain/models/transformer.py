@@ -60,7 +60,7 @@ class ModelOutput(NamedTuple):
     logits: Optional[jax.Array]  # [B, T, V] (None when return_logits=False)
     cache: Optional[KVCache]  # updated cache when one was passed
     hidden: Optional[tuple]  # L + 1 states [B, T, D]: embeddings, then each layer; the last after the final norm
-    attn: Optional[tuple]  # L attention probabilities [B, N, T, S]
+    attn: Optional[tuple]  # L attention probabilities [B, N, T, S] (None for a layer not asked for)
 
 
 class Transformer(nnx.Module):
@@ -112,7 +112,8 @@ class Transformer(nnx.Module):
         """tokens, positions: [B, T] int; segment_ids: [B, T] int (0 = padding) or None;
         branch_ids: [B, T] int (0 = shared prefix, b > 0 = continuation b of a prefix-shared row) or None.
 
-        rope_tables: from `rope_tables(n)` with every position < n, or None to compute RoPE here."""
+        rope_tables: from `rope_tables(n)` with every position < n, or None to compute RoPE here.
+        return_attn: True for every layer's attention probabilities, or a collection of layer indices."""
         B, T = tokens.shape
         positions = positions.astype(jnp.int32)
         real_pos = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, -1)
@@ -140,16 +141,18 @@ class Transformer(nnx.Module):
             ropes = {r: (jnp.take(c, positions, axis=0), jnp.take(s, positions, axis=0))
                      for r, (c, s) in rope_tables.items()}
 
+        # return_attn: True (every layer) or the layers whose probabilities are wanted (distillation
+        # maps a few); the others keep the blockwise attention, which never forms [T, S] probabilities.
+        want = set(range(len(self.layers))) if return_attn is True else set(return_attn or ())
         x = self.embed_tokens(tokens)
         hidden, attns, ks, vs = [x], [], [], []
-        remat = self.cfg.remat and cache is None and not return_attn
         for i, blk in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
-            if remat:  # training path: keep only each layer's input for the backward pass
+            if self.cfg.remat and cache is None and i not in want:  # keep only each layer's input for the backward
                 x, kv, attn = nnx.remat(lambda b, h, r, m: b(h, r, m))(blk, x, ropes[blk.rope], layout)
             else:
                 x, kv, attn = blk(x, ropes[blk.rope], layout, kv, None if cache is None else cache.index,
-                                  return_attn)
+                                  i in want)
             if cache is not None:
                 ks.append(kv[0])
                 vs.append(kv[1])
@@ -162,7 +165,7 @@ class Transformer(nnx.Module):
             logits=self.unembed(x) if return_logits else None,
             cache=new_cache,
             hidden=tuple(hidden) if return_hidden else None,
-            attn=tuple(attns) if return_attn else None,
+            attn=tuple(attns) if want else None,
         )
 
 

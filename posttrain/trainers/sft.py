@@ -150,7 +150,7 @@ class SFTTrainer:
 
 
 def run_config_class(cfg_file: str):
-    """The config class of a run's config.yaml (by its trainer-specific section: dpo, rm, grpo, else SFT)."""
+    """The config class of a run's config.yaml (by its trainer-specific section: dpo, grpo, distill, rm, else SFT)."""
     import yaml
 
     try:
@@ -170,6 +170,10 @@ def run_config_class(cfg_file: str):
         from posttrain.trainers.grpo import GRPOConfig
 
         return GRPOConfig
+    if "teacher" in keys or "distill" in keys:
+        from posttrain.trainers.distill import DistillConfig
+
+        return DistillConfig
     if "rm" in keys:
         from posttrain.trainers.reward_model import RMConfig
 
@@ -186,6 +190,13 @@ def load_run(run_dir: str):
     tok = build_tokenizer(config.model)
     model = build_model(config.model, tok, config.lora)
     trainable = LoraParam if config.lora.enabled else nnx.Param
+    if getattr(getattr(config, "distill", None), "projection", False):  # trained with the student, not exported
+        from posttrain.models import load_config
+        from posttrain.trainers.distill import ProjectionParam, attach_projection
+
+        width = (load_config(config.teacher.path) if config.teacher.path else preset_config(config.teacher, tok)).embed_dim
+        attach_projection(model, width)
+        trainable = nnx.Any(trainable, ProjectionParam)
     graphdef, params, rest = nnx.split(model, trainable, ...)
     params = load_state(os.path.join(run_dir, WEIGHTS), params)
     return config, tok, nnx.merge(graphdef, params, rest)
