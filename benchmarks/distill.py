@@ -62,7 +62,8 @@ def main():
     fwd = jax.jit(lambda st, b: nnx.merge(tg, st)(b["tokens"], b["positions"], segment_ids=b["segment_ids"]).logits)
     graphdef, s_state = init_state(student, opt)
     sft_step = make_train_step(sft_loss, opt, graphdef)
-    kd_loss = make_distill_loss(strategies=("logit",), temperature=2.0, alpha=0.5, chunk_size=args.chunk)
+    kd_loss = make_distill_loss(strategies=("logit",), temperature=2.0, alpha=0.5, chunk_size=args.chunk,
+                                eval_metrics=False)  # as the trainer's step
     graphdef2, d_state = init_state(Transformer(scfg, rngs=nnx.Rngs(0)), opt)
     kd_step = make_train_step(kd_loss, opt, graphdef2, frozen_graphdef=tg)
 

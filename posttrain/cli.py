@@ -1,4 +1,4 @@
-"""`posttrain` command line: `posttrain {sft,dpo,rm,grpo,distill,plan,export,generate,demo} ...`.
+"""`posttrain` command line: `posttrain {sft,dpo,rm,grpo,ppo,distill,plan,export,report,generate,demo} ...`.
 
 Every user-caused error (PosttrainError) is printed as one line without a traceback and the
 process exits with code 2. Subcommands for training arrive with their trainers.
@@ -46,10 +46,13 @@ def _done(name, r) -> str:
         line += f", held-out accuracy {r['eval_accuracy']:.3f}"
     elif name == "grpo":
         line = f"[grpo] done: {r['step']} steps, reward {r.get('reward/mean', float('nan')):.3f}"
+    elif name == "ppo":
+        line = (f"[ppo] done: {r['step']} steps, reward {r.get('reward/mean', float('nan')):.3f}, "
+                f"kl {r.get('kl', float('nan')):.4f}")
     elif name == "distill":
         if "eval_teacher_kl" in r:
-            line += f", held-out KL(teacher||student) {r['eval_teacher_kl']:.4f}"
-        line += f", top-1 agreement {r.get('eval_top1_agreement', r['top1_agreement']):.1%}"
+            line += (f", held-out KL(teacher||student) {r['eval_teacher_kl']:.4f}, top-1 agreement "
+                     f"{r['eval_top1_agreement']:.1%}")
     return f"{line} in {r['seconds']:.1f} s"
 
 
@@ -59,6 +62,7 @@ TRAINERS = {
     "dpo": ("dpo", "DPOConfig", "DPOTrainer", "direct preference optimisation (DPO family) from a YAML config"),
     "rm": ("reward_model", "RMConfig", "RMTrainer", "reward model: a score head trained Bradley-Terry"),
     "grpo": ("grpo", "GRPOConfig", "GRPOTrainer", "GRPO-family RL with reward functions from a YAML config"),
+    "ppo": ("ppo", "PPOConfig", "PPOTrainer", "PPO with a critic, GAE and KL-shaped rewards from a YAML config"),
     "distill": ("distill", "DistillConfig", "DistillTrainer", "knowledge distillation of a teacher into a student"),
 }
 
@@ -115,6 +119,12 @@ def _export(args) -> None:
     print(f"exported to {export_run(args.run, args.out, dtype=args.dtype)}")
 
 
+def _report(args) -> None:
+    from posttrain.report import write_report
+
+    print(f"report written to {write_report(args.run_dir)}")
+
+
 def _demo(args) -> None:
     from posttrain.tasks import demo
 
@@ -155,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, help="output Hugging Face folder")
     e.add_argument("--dtype", default=None, help="weights dtype of the export (default: the run's)")
     e.set_defaults(func=_export)
+    r = sub.add_parser("report", help="PNG plots + one self-contained HTML page of a run folder's metrics")
+    r.add_argument("run_dir", help="run folder written by a posttrain trainer (config.yaml, metrics.jsonl)")
+    r.set_defaults(func=_report)
     d = sub.add_parser("demo", help="run the built-in demo job on a tiny local model")
     d.add_argument("--out", default="runs/demo", help="output folder")
     d.add_argument("--steps", type=int, default=1500, help="SFT steps")

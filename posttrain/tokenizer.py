@@ -194,3 +194,20 @@ def byte_tokenizer() -> Tokenizer:
     )
     # A chat reply ends with <|end|>, so sampling must stop there as well as at <eos>.
     return Tokenizer(hf, extra_eos_ids=(vocab["<|end|>"],))
+
+
+def check_same_tokenizer(ours: Tokenizer, other: Tokenizer, what: str) -> None:
+    """Raise unless `other` maps every token to the same id as `ours`, with the same specials.
+
+    `what` starts the message and names the setting at fault (e.g. "model.tokenizer and
+    teacher.tokenizer differ", "ppo.critic_path: the tokenizer of X differs from the policy's")."""
+    a, b = ours.hf.get_vocab(), other.hf.get_vocab()
+    diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
+    specials = [(n, x, y) for n, x, y in (("bos", ours.bos_id, other.bos_id), ("eos", ours.eos_id, other.eos_id),
+                                          ("pad", ours.pad_id, other.pad_id)) if x != y]
+    if diff or specials:
+        detail = (f"{len(a)} vs {len(b)} tokens, e.g. {diff[0][0]!r}" if diff else
+                  f"{specials[0][0]} id {specials[0][1]} vs {specials[0][2]}")
+        raise PosttrainError(f"{what} ({detail}); both models must read the same token ids, so give them "
+                             "one tokenizer")
+

@@ -43,3 +43,61 @@ def hf_checkpoints(tmp_path_factory):
     """family -> folder of a tiny random HF checkpoint (built once per test session)."""
     root = tmp_path_factory.mktemp("hf")
     return {fam: make_checkpoint(fam, root / fam) for fam in FAMILIES}
+
+
+def _sft_to_partial_accuracy(out_dir, low: float = 0.3) -> str:
+    """SFT demo-tiny from scratch on two-digit addition until its greedy held-out accuracy first
+    reaches `low` (checked every 50 steps from step 150; the float round-off of the machine moves
+    where a fixed step count lands, so the start is set by accuracy); a HF folder in `out_dir`."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from posttrain import config as C
+    from posttrain.data import batches, load_examples
+    from posttrain.generate import Sampler, SamplingParams
+    from posttrain.losses import sft_loss
+    from posttrain.models import Transformer, preset, save_pretrained
+    from posttrain.tasks import addition
+    from posttrain.tokenizer import byte_tokenizer
+    from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule
+
+    train, evals = addition.make_pairs(digits=2, seed=0, n_eval=200)
+    pairs = [(r["prompt"], r["completion"]) for r in evals]
+    tok = byte_tokenizer()
+    examples, _ = load_examples(addition.write_jsonl(train, os.path.join(out_dir, "train.jsonl")), tok, max_length=16)
+    optim = C.OptimSection(lr=1.5e-3, warmup_steps=20, schedule="constant")
+    opt = make_optimizer(optim, schedule(optim, 1000))
+    graphdef, state = init_state(Transformer(preset("demo-tiny", vocab_size=tok.vocab_size), rngs=nnx.Rngs(0)), opt)
+    step = make_train_step(sft_loss, opt, graphdef)
+    data = iter(batches(examples, batch_size=64, seq_len=16, pad_id=tok.pad_id, packing=False, seed=0))
+    prompts = [tok.encode(p) for p, _ in pairs]
+    sampler = Sampler(merge(graphdef, state), max_len=max(map(len, prompts)) + 8)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, stop_ids=tok.eos_ids)
+    for i in range(1, 601):
+        state, _ = step(state, {k: jnp.asarray(v) for k, v in next(data).items()})
+        if i >= 150 and i % 50 == 0:
+            sampler.update(merge(graphdef, state))
+            texts = sampler.generate(prompts, greedy).texts(tok)
+            acc = float(np.mean([t.strip() == a for t, (_, a) in zip(texts, pairs)]))
+            if acc >= low:
+                break
+    print(f"SFT start: {i} steps, greedy held-out accuracy {acc:.3f}")
+    return save_pretrained(merge(graphdef, state), os.path.join(out_dir, "hf"), tokenizer=tok)
+
+
+@pytest.fixture(scope="session")
+def sft_addition(tmp_path_factory, worker_id):
+    """A HF folder of demo-tiny SFT-ed on addition to partial accuracy (the RL learning tests' start).
+    Built once per test run: pytest-xdist workers share it through a file lock in the run's folder."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # .../pytest-N/popen-gwK: the parent is this run's, shared by the workers
+        root = root.parent
+    out = root / "sft_addition"
+    with FileLock(str(root / "sft_addition.lock")):
+        if not (out / "hf" / "config.json").exists():
+            out.mkdir(exist_ok=True)
+            _sft_to_partial_accuracy(str(out))
+    return str(out / "hf")

@@ -184,42 +184,14 @@ def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
-def _sft_to_partial_accuracy(tmp_path, train, pairs, low=0.3):
-    """SFT a from-scratch tiny model on addition until its greedy held-out accuracy first reaches
-    `low` (checked every 50 steps from step 200): the float round-off of the machine (thread
-    counts, CPU generation) moves where a fixed step count lands, so the start is set by accuracy."""
-    from posttrain.data import batches, load_examples
-    from posttrain.losses import sft_loss
-    from posttrain.models import Transformer, preset, save_pretrained
-    from posttrain.tokenizer import byte_tokenizer
-    from posttrain.train import init_state, make_optimizer, make_train_step, schedule
-
-    tok = byte_tokenizer()
-    path = addition.write_jsonl(train, str(tmp_path / "train.jsonl"))
-    examples, _ = load_examples(path, tok, max_length=16)
-    optim = C.OptimSection(lr=1.5e-3, warmup_steps=20, schedule="constant")
-    opt = make_optimizer(optim, schedule(optim, 1000))
-    graphdef, state = init_state(Transformer(preset("demo-tiny", vocab_size=tok.vocab_size), rngs=nnx.Rngs(0)), opt)
-    step = make_train_step(sft_loss, opt, graphdef)
-    data = iter(batches(examples, batch_size=64, seq_len=16, pad_id=tok.pad_id, packing=False, seed=0))
-    for i in range(1, 601):
-        state, _ = step(state, {k: jnp.asarray(v) for k, v in next(data).items()})
-        if i >= 200 and i % 50 == 0:
-            acc = accuracy(merge(graphdef, state), tok, pairs)
-            if acc >= low:
-                break
-    print(f"SFT: {i} steps, greedy held-out accuracy {acc:.3f}")
-    return save_pretrained(merge(graphdef, state), str(tmp_path / "hf"), tokenizer=tok)
-
-
-def test_lora_grpo_raises_greedy_accuracy_of_an_sft_model(tmp_path):
+def test_lora_grpo_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_addition):
     """Two-digit addition: a tiny model SFT-ed to partial accuracy, then LoRA GRPO with an exact-answer
     reward gains >= 15 points of greedy held-out accuracy in 40 steps."""
     train, evals = addition.make_pairs(digits=2, seed=0, n_eval=200)
     addition.write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in train],
                          str(tmp_path / "prompts.jsonl"))
     pairs = [(r["prompt"], r["completion"]) for r in evals]
-    hf = _sft_to_partial_accuracy(tmp_path, train, pairs)
+    hf = sft_addition
     cfg = config(tmp_path, **{"model": {"path": hf}, "data.train": str(tmp_path / "prompts.jsonl"),
                               "grpo.num_generations": 8, "lora.rank": 8, "train.steps": 40, "train.batch_size": 16,
                               "train.log_every": 10})

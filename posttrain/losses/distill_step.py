@@ -17,8 +17,9 @@ Chunking: logits are formed `chunk_size` positions at a time, inside a `lax.scan
 rematerialised, so neither model's float32 [B, T, V] logits exist at once (the backward recomputes
 a chunk's logits instead of keeping them): memory O(B·chunk·V) instead of O(B·T·V).
 
-Metrics besides the losses (sums per target token, divided by `denom` in the step; with a held-out
-set they are the evaluation hooks as eval_*):
+Metrics besides the losses (sums per target token, divided by `denom` in the step; the evaluation
+hooks, eval_* on a held-out set; `eval_metrics=False`, the trainer's training step, leaves them out,
+top1_agreement included):
   teacher_kl      KL(teacher‖student) at temperature 1 over the full vocabulary
   top1_agreement  argmax student == argmax teacher
   logit_cosine    cosine of the centred logit vectors (z − mean z: invariant to the softmax's shift,
@@ -71,8 +72,12 @@ def make_distill_loss(*, strategies=("logit",), temperature: float = 2.0, alpha:
                       kind: str = "forward_kl", beta: float = 0.5, top_k=None, layer_map=None,
                       attention_kind: str = "mse", attention_weight: float = 1.0, feature_layer_map=None,
                       pool_size=None, projection: bool = False, feature_kind: str = "l2",
-                      feature_weight: float = 1.0, chunk_size: int = 256):
-    """`loss_fn(student, batch, *, frozen, rng)` for the strategies named (see the module doc)."""
+                      feature_weight: float = 1.0, chunk_size: int = 256, eval_metrics: bool = True):
+    """`loss_fn(student, batch, *, frozen, rng)` for the strategies named (see the module doc).
+
+    `eval_metrics=False` leaves out top1_agreement, teacher_kl, logit_cosine and hidden_cosine (extra
+    passes over the logits that a training step need not pay for; the trainer computes them on the
+    eval set)."""
     layer_map = dict(layer_map or {})
     feature_layer_map = dict(feature_layer_map or {})
     s_attn = tuple(sorted(layer_map)) if "attention" in strategies else ()
@@ -98,13 +103,16 @@ def make_distill_loss(*, strategies=("logit",), temperature: float = 2.0, alpha:
             zs, zt = zs[..., :V], jax.lax.stop_gradient(zt[..., :V])
             loss, met = logit_distill_loss(zs, zt, labels, m, temperature=temperature, alpha=alpha, kind=kind,
                                            beta=beta, top_k=top_k, reduction="sum")
-            ls, lt = jax.nn.log_softmax(zs, -1), jax.nn.log_softmax(zt, -1)
             sg = jax.lax.stop_gradient
-            fkl = sg(jnp.sum(jnp.exp(lt) * (lt - ls), -1))
-            cos = sg(_cosine(zs - zs.mean(-1, keepdims=True), zt - zt.mean(-1, keepdims=True)))
-            keep = m != 0
-            met = {**met, "teacher_kl": jnp.sum(jnp.where(keep, fkl, 0) * m),
-                   "logit_cosine": jnp.sum(jnp.where(keep, cos, 0) * m)}
+            if not eval_metrics:  # two argmax passes over the vocabulary; the eval set reports it
+                met.pop("top1_agreement")
+            else:
+                ls, lt = jax.nn.log_softmax(zs, -1), jax.nn.log_softmax(zt, -1)
+                fkl = sg(jnp.sum(jnp.exp(lt) * (lt - ls), -1))
+                cos = sg(_cosine(zs - zs.mean(-1, keepdims=True), zt - zt.mean(-1, keepdims=True)))
+                keep = m != 0
+                met = {**met, "teacher_kl": jnp.sum(jnp.where(keep, fkl, 0) * m),
+                       "logit_cosine": jnp.sum(jnp.where(keep, cos, 0) * m)}
             if "logit" not in strategies:
                 loss = sg(loss) * 0.0
             return loss, met
@@ -124,7 +132,7 @@ def make_distill_loss(*, strategies=("logit",), temperature: float = 2.0, alpha:
                                         projection=proj, kind=feature_kind, layer_map=feature_layer_map or None,
                                         weight=feature_weight, reduction="sum")
             total, metrics = total + loss, {**metrics, "feature_loss": m["feature_loss"]}
-        if proj is not None or pool is not None:
+        if eval_metrics and (proj is not None or pool is not None):
             mapped = pool_features(jax.lax.stop_gradient(h_t).astype(jnp.float32), h_s.shape[-1],
                                    pool_size=None if proj is not None else pool,
                                    projection=None if proj is None else jax.lax.stop_gradient(proj))

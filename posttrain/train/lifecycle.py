@@ -5,7 +5,8 @@ What it is: `run_trainer(config, state, step, batches, ...)` runs one training r
 process 0 writes config.yaml), restores the newest readable checkpoint (train state + the batch
 source's position), drops metrics logged after that checkpoint, builds the metric sinks and the
 profiler, steps `train_loop` with an evaluation hook and a checkpoint hook, and writes the final
-trainable weights (`trainable.safetensors`). Process 0 alone prints and writes files; every
+trainable weights (`trainable.safetensors`) and, with the JSONL sink, the run report
+(`report/`: PNG curves and one HTML page, `posttrain.report`). Process 0 alone prints and writes files; every
 process joins checkpoint saves / restores and the final gather. Also here: `check_processes`
 (the config fits the processes; call it before anything is written), `training_state` (the
 model's train state and optimizer under the config), `place_batch` (a host batch
@@ -134,6 +135,10 @@ def run_trainer(config, state: TrainState, step: Callable, batches, *, name: str
         if profiler is not None:
             profiler.close()
     save_state(state.params, os.path.join(c.run_dir, WEIGHTS))  # every process joins; process 0 writes
+    if main and "jsonl" in c.metrics.sinks:  # report/: the run's curves as PNGs and one HTML page
+        from posttrain.report import write_report
+
+        write_report(c.run_dir)
     result.update(history[-1] if history else {})
     result.update(first_loss=history[0]["loss"] if history else None, seconds=time.perf_counter() - t0)
     return state, result

@@ -45,6 +45,7 @@ from posttrain.losses.distill_step import make_distill_loss
 from posttrain.models import count_params
 from posttrain.models.lora import LoraParam, trainable_fraction
 from posttrain.rl.distill import OnPolicyBatches, teacher_samples
+from posttrain.tokenizer import check_same_tokenizer
 from posttrain.train import make_train_step, merge
 from posttrain.train.lifecycle import check_processes, make_eval, prepare_run_dir, run_trainer, training_state
 from posttrain.train.metrics import model_flops_per_token
@@ -118,20 +119,6 @@ def attach_projection(model, teacher_width: int, seed: int = 0):
     return model
 
 
-def check_same_tokenizer(student, teacher) -> None:
-    """Raise unless both tokenizers map every token to the same id (with the same specials)."""
-    a, b = student.hf.get_vocab(), teacher.hf.get_vocab()
-    diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
-    specials = [(n, x, y) for n, x, y in (("bos", student.bos_id, teacher.bos_id), ("eos", student.eos_id,
-                teacher.eos_id), ("pad", student.pad_id, teacher.pad_id)) if x != y]
-    if diff or specials:
-        what = (f"{len(a)} vs {len(b)} tokens, e.g. {diff[0][0]!r}" if diff else
-                f"{specials[0][0]} id {specials[0][1]} vs {specials[0][2]}")
-        raise PosttrainError(f"model.tokenizer and teacher.tokenizer differ ({what}); distillation compares the "
-                             "two models token by token, so give the student the teacher's tokenizer "
-                             "(model.tokenizer=<teacher folder>)")
-
-
 class DistillTrainer:
     def __init__(self, config: DistillConfig, *, progress: bool = True):
         self.config = c = config
@@ -147,7 +134,8 @@ class DistillTrainer:
             raise PosttrainError("train.eval_every is set but data.eval is not; give data.eval=FILE or set "
                                  "train.eval_every=0")
         self.tokenizer = tok = build_tokenizer(c.model)
-        check_same_tokenizer(tok, build_tokenizer(c.teacher))
+        check_same_tokenizer(tok, build_tokenizer(c.teacher), "model.tokenizer and teacher.tokenizer differ: "
+                             "distillation compares the models token by token (model.tokenizer=<teacher folder>)")
         self.mesh, self.rules = build_mesh(c.sharding)
         self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules)
         self.teacher = build_model(c.teacher, tok, None, self.mesh, self.rules)
@@ -174,11 +162,14 @@ class DistillTrainer:
         if d.mode == "offline" or (d.mode == "on_policy" and d.lmbda < 1):
             self.train_examples, self.data_stats = load_examples(c.data.train, tok, **fmt)
         self.eval_examples = load_examples(c.data.eval, tok, **fmt)[0] if c.data.eval else None
-        self.loss_fn = make_distill_loss(
-            strategies=d.strategy, temperature=d.temperature, alpha=d.alpha, kind=d.kind, beta=d.beta, top_k=d.top_k,
-            layer_map=d.layer_map, attention_kind=d.attention_kind, attention_weight=d.attention_weight,
-            feature_layer_map=d.feature_layer_map, pool_size=d.pool_size, projection=d.projection,
-            feature_kind=d.feature_kind, feature_weight=d.feature_weight, chunk_size=d.chunk_size)
+        kw = dict(strategies=d.strategy, temperature=d.temperature, alpha=d.alpha, kind=d.kind, beta=d.beta,
+                  top_k=d.top_k, layer_map=d.layer_map, attention_kind=d.attention_kind,
+                  attention_weight=d.attention_weight, feature_layer_map=d.feature_layer_map, pool_size=d.pool_size,
+                  projection=d.projection, feature_kind=d.feature_kind, feature_weight=d.feature_weight,
+                  chunk_size=d.chunk_size)
+        # The step skips the held-out metrics' extra passes over the logits; the eval set computes them.
+        self.loss_fn = make_distill_loss(**kw, eval_metrics=False)
+        self.eval_loss_fn = make_distill_loss(**kw, eval_metrics=True)
 
     def _sampling(self) -> SamplingParams:
         d = self.config.distill
@@ -241,8 +232,8 @@ class DistillTrainer:
                                    params=self._sampling(), seed=c.data.seed, shuffle=c.data.shuffle)
         evaluate = None
         if self.eval_examples:
-            evaluate = make_eval(self.loss_fn, graphdef, to_arrays(self.eval_examples, c.data.max_length, tok.pad_id,
-                                                                   c.data.packing),
+            arrays = to_arrays(self.eval_examples, c.data.max_length, tok.pad_id, c.data.packing)
+            evaluate = make_eval(self.eval_loss_fn, graphdef, arrays,
                                  batch_size=c.train.batch_size, mesh=self.mesh, rules=self.rules, frozen=frozen,
                                  frozen_graphdef=frozen_graphdef)
         return dict(graphdef=graphdef, state=state, raw_step=raw, step=lambda s, b: raw(s, b, frozen), frozen=frozen,

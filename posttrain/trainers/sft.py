@@ -57,8 +57,9 @@ def preset_config(mc, tok: Tokenizer):
 
 def memory_plan(c, model_cfg, mesh_shape: dict) -> dict:
     """`plan.plan` for a training config: one micro-batch, the config's preset, LoRA and remat."""
-    if hasattr(c, "grpo"):  # a GRPO row: the prompt once, then its n completions
-        seq = c.data.max_prompt_length + c.grpo.num_generations * c.grpo.max_new_tokens
+    if hasattr(c, "grpo") or hasattr(c, "ppo"):  # an RL row: the prompt once, then its n completions
+        rl = c.grpo if hasattr(c, "grpo") else c.ppo  # (PPO's critic, a second model, is not counted)
+        seq = c.data.max_prompt_length + rl.num_generations * rl.max_new_tokens
     elif hasattr(c, "dpo") or hasattr(c, "rm"):  # a pair row [prompt | chosen | rejected]: at most
         seq = 2 * c.data.max_length - 1  # prompt + the longer answer, plus the other answer
     else:
@@ -150,7 +151,7 @@ class SFTTrainer:
 
 
 def run_config_class(cfg_file: str):
-    """The config class of a run's config.yaml (by its trainer-specific section: dpo, grpo, distill, rm, else SFT)."""
+    """The config class of a run's config.yaml, by its trainer's section (ppo, dpo, grpo, distill, rm; else SFT)."""
     import yaml
 
     try:
@@ -160,6 +161,10 @@ def run_config_class(cfg_file: str):
         data = raw.get("data") or {}
     except (OSError, yaml.YAMLError, TypeError, AttributeError):
         return C.SFTConfig  # C.load reports the unreadable file with its location
+    if "ppo" in keys:  # before the GRPO guess below: a PPO config has the same data section
+        from posttrain.trainers.ppo import PPOConfig
+
+        return PPOConfig
     if "grpo" not in keys and isinstance(data, dict) and "max_prompt_length" in data and "max_length" not in data:
         keys.add("grpo")  # a GRPO config that keeps every grpo default
     if "dpo" in keys:
@@ -194,8 +199,8 @@ def load_run(run_dir: str):
         from posttrain.models import load_config
         from posttrain.trainers.distill import ProjectionParam, attach_projection
 
-        width = (load_config(config.teacher.path) if config.teacher.path else preset_config(config.teacher, tok)).embed_dim
-        attach_projection(model, width)
+        t = config.teacher
+        attach_projection(model, (load_config(t.path) if t.path else preset_config(t, tok)).embed_dim)
         trainable = nnx.Any(trainable, ProjectionParam)
     graphdef, params, rest = nnx.split(model, trainable, ...)
     params = load_state(os.path.join(run_dir, WEIGHTS), params)

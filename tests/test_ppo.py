@@ -1,0 +1,175 @@
+"""The PPO trainer: on-policy first update, KL 0 at the start, mini-batches that partition each rollout,
+exact resume mid-rollout (weights, critic, KL controller), both critic layouts, clear errors for a
+mismatched critic or a reward-model folder without a score head, and learning on addition."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import nested
+from flax import nnx
+
+from posttrain import config as C
+from posttrain.errors import PosttrainError
+from posttrain.losses.ppo import critic_values
+from posttrain.models import Transformer, preset, save_pretrained
+from posttrain.models.heads import ScoreParam, attach_score_head
+from posttrain.tasks import addition
+from posttrain.tokenizer import byte_tokenizer
+from posttrain.train.step import merge
+from posttrain.trainers.ppo import PPOConfig, PPOTrainer
+from posttrain.trainers.sft import accuracy
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROMPTS = os.path.join(HERE, "data", "grpo_addition.jsonl")
+
+
+def config(tmp_path, **over) -> PPOConfig:
+    d = {"model": {"preset": "tiny-student"},
+         "data": {"train": PROMPTS, "max_prompt_length": 8},
+         "ppo": {"num_generations": 2, "max_new_tokens": 4, "ppo_epochs": 2, "mini_batch_size": 2,
+                 "kl_coef": 0.05, "kl_target": 0.02, "kl_horizon": 100, "rewards": {"last_number": 1.0}},
+         "lora": {"enabled": True, "rank": 4},
+         "optim": {"lr": 1e-3, "schedule": "constant"},
+         "train": {"steps": 4, "batch_size": 4, "log_every": 1},
+         "metrics": {"sinks": ["jsonl"]},
+         "run_dir": str(tmp_path / "run")}
+    nested(d, over)
+    return C.from_dict(PPOConfig, d)
+
+
+def test_first_update_is_on_policy_and_mini_batches_partition_the_rollout(tmp_path):
+    """LoRA + separate critic: at the start the reference (adapters off) is the policy (KL 0), the stored
+    values are the critic's, the first update sees ratio 1 (|Δ log p| <= 1e-5, nothing clipped); each
+    epoch's mini-batches are a permutation of the rollout's rows; a second rollout compiles nothing new;
+    both models and the KL controller move."""
+    trainer = PPOTrainer(config(tmp_path), progress=False)
+    parts = trainer.setup()
+    state, rollout, sampler = parts["state"], parts["rollout"], parts["sampler"]
+    assert (parts["frozen"] is None) == trainer.config.lora.enabled
+    assert rollout.mu == 4 and rollout.per_epoch == 2
+    seen, first = [], None
+    start = jax.tree.map(np.asarray, state.params)
+    for k in range(8):
+        batch = rollout(state)
+        if k == 0:
+            full = rollout.cached
+            stats = rollout.metrics()
+            assert abs(stats["kl"]) <= 1e-6 and stats["kl_coef"] == 0.05, stats
+            values = critic_values(merge(parts["graphdef"], state), {f: jnp.asarray(v) for f, v in full.items()})
+            mask = full["score_w"] != 0
+            np.testing.assert_allclose(np.asarray(values)[mask], full["old_values"][mask], atol=1e-5)
+            assert not full["old_values"][~mask].any() and abs(full["advantages"][mask].mean()) < 1e-5
+        if k < 4:
+            seen.append(batch["tokens"])
+        state, metrics = parts["step"](state, {f: jnp.asarray(v) for f, v in batch.items()})
+        if k == 0:
+            first = metrics
+    assert float(first["logp_mismatch_max"]) <= 1e-5 and float(first["clip_region_mean"]) == 0
+    for epoch in (seen[:2], seen[2:]):
+        rows = sorted(map(bytes, np.concatenate(epoch)))
+        assert rows == sorted(map(bytes, full["tokens"]))
+    assert rollout.kl.value < 0.05  # KL below target at the start: β decreases (adaptive)
+    assert sampler.traces["prefill"] == 1 and sampler.traces["decode"] == 1, sampler.traces
+    moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()), state.params, start)
+    assert max(jax.tree.leaves(moved["policy"])) > 0
+    assert max(jax.tree.leaves(moved["critic"])) > 0
+
+
+def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path):
+    """Full fine-tuning with the shared value head (a frozen reference copy), 2 epochs x 2 mini-batches
+    per rollout: a run killed after step 5 (inside the second rollout) resumes to the same policy, value
+    head and KL coefficient as the uninterrupted run; the first rollout's KL to the reference is 0."""
+    cfg = config(tmp_path, **{"train.steps": 6, "checkpoint.every": 1, "checkpoint.keep": 6,
+                              "checkpoint.async_save": False, "lora.enabled": False, "ppo.critic": "shared"})
+    first = PPOTrainer(cfg, progress=False)
+    assert first.model.critic is None and isinstance(first.model.policy.score, ScoreParam)
+    assert first.model.policy.lm_head is not None
+    first.train()
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
+    resumed = PPOTrainer(cfg, progress=False)
+    assert resumed.train()["step"] == 6
+    for x, y in zip(jax.tree.leaves(nnx.state(first.model, nnx.Param)),
+                    jax.tree.leaves(nnx.state(resumed.model, nnx.Param))):
+        np.testing.assert_array_equal(x, y)
+    logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [m["step"] for m in logged] == [1, 2, 3, 4, 5, 6]
+    coefs = [m["kl_coef"] for m in logged if "kl_coef" in m]
+    assert len(coefs) == 2 and coefs[1] != coefs[0]  # the controller state carried over
+    assert abs(logged[0]["kl"]) <= 1e-6 and logged[0]["logp_mismatch_max"] <= 1e-5
+    assert logged[-1]["value_mean"] != logged[0]["value_mean"]
+
+
+def _folder(tmp_path, name, preset_name, tok, *, score=False):
+    model = Transformer(preset(preset_name, vocab_size=tok.vocab_size), rngs=nnx.Rngs(3))
+    if score:
+        attach_score_head(model, seed=3, std=0.5)
+    return save_pretrained(model, str(tmp_path / name), tokenizer=tok)
+
+
+def test_bad_critic_and_reward_model_folders_name_the_key(tmp_path):
+    tok = byte_tokenizer()
+    wide = _folder(tmp_path, "wide", "demo-tiny", tok)
+    with pytest.raises(PosttrainError, match="ppo.critic_path: .* hidden size 128 but the policy has 64"):
+        PPOTrainer(config(tmp_path, **{"ppo.critic_path": wide}), progress=False)
+    other = byte_tokenizer()
+    other.hf.add_tokens(["<tool>"])
+    wrong_tok = _folder(tmp_path, "wrong_tok", "tiny-student", other)
+    with pytest.raises(PosttrainError, match="ppo.critic_path: the tokenizer of .* differs from the policy"):
+        PPOTrainer(config(tmp_path, **{"ppo.critic_path": wrong_tok}), progress=False)
+    causal = _folder(tmp_path, "causal", "tiny-student", tok)
+    with pytest.raises(PosttrainError, match="ppo.reward_model: .* has no score head"):
+        PPOTrainer(config(tmp_path, **{"ppo.rewards": {"reward_model": 1.0}, "ppo.reward_model": causal}),
+                   progress=False)
+    with pytest.raises(PosttrainError, match="ppo.rewards names 'reward_model' but ppo.reward_model"):
+        PPOTrainer(config(tmp_path, **{"ppo.rewards": {"reward_model": 1.0}}), progress=False)
+    with pytest.raises(PosttrainError, match="ppo.dual_clip must be > 1 \\+ ppo.epsilon_high"):
+        config(tmp_path, **{"ppo.dual_clip": 1.1})
+    with pytest.raises(PosttrainError, match="ppo.mini_batch_size=3 must divide train.batch_size=4"):
+        PPOTrainer(config(tmp_path, **{"ppo.mini_batch_size": 3}), progress=False)
+    # a reward-model folder is a good critic start: its score head becomes the value head
+    rm = _folder(tmp_path, "rm", "tiny-student", tok, score=True)
+    trainer = PPOTrainer(config(tmp_path, **{"ppo.critic_path": rm, "ppo.rewards": {"reward_model": 1.0},
+                                             "ppo.reward_model": rm}), progress=False)
+    from posttrain.models import from_pretrained
+
+    head = from_pretrained(rm, head="score").score[...]
+    np.testing.assert_array_equal(np.asarray(trainer.model.critic.score[...]), np.asarray(head))
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_ppo_raises_the_reward_of_an_sft_model_within_the_kl_target(tmp_path, sft_addition):
+    """Two-digit addition: a tiny model SFT-ed to partial accuracy, then 40 LoRA PPO updates (separate
+    critic from the policy, adaptive KL with target 0.1) with the exact-answer reward: greedy held-out
+    accuracy and the sampled reward rise, and the per-token KL to the reference averaged over the run
+    stays under the target (each rollout's under twice the target)."""
+    train, evals = addition.make_pairs(digits=2, seed=0, n_eval=200)
+    addition.write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in train],
+                         str(tmp_path / "prompts.jsonl"))
+    pairs = [(r["prompt"], r["completion"]) for r in evals]
+    hf = sft_addition
+    target = 0.1
+    cfg = config(tmp_path, **{"model": {"path": hf}, "data.train": str(tmp_path / "prompts.jsonl"),
+                              "ppo.num_generations": 4, "ppo.mini_batch_size": 8, "ppo.kl_coef": 0.1,
+                              "ppo.kl_target": target, "ppo.kl_horizon": 1000, "lora.rank": 8, "train.steps": 40,
+                              "train.batch_size": 16, "train.log_every": 4})
+    trainer = PPOTrainer(cfg, progress=False)
+    before = accuracy(trainer.model.policy, trainer.tokenizer, pairs)
+    trainer.train()
+    after = accuracy(trainer.model.policy, trainer.tokenizer, pairs)
+    rollouts = [m for m in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "reward/mean" in m]
+    curve = [(m["step"], round(m["reward/mean"], 3), round(m["kl"], 4), round(m["kl_coef"], 4),
+              round(m["explained_variance"], 2)) for m in rollouts]
+    early = np.mean([m["reward/mean"] for m in rollouts[:2]])
+    late = np.mean([m["reward/mean"] for m in rollouts[-2:]])
+    kl = [m["kl"] for m in rollouts]
+    print(f"greedy held-out accuracy {before:.3f} -> {after:.3f}; sampled reward {early:.3f} -> {late:.3f}; KL mean "
+          f"{np.mean(kl):.4f} max {max(kl):.4f} (target {target}); (step, reward, kl, kl_coef, expl. var.) {curve}")
+    assert after - before >= 0.08 and late - early >= 0.08, (before, after, curve)
+    assert np.mean(kl) < target and max(kl) < 2 * target, curve
