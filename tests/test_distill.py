@@ -81,7 +81,7 @@ def test_chunked_logits_and_packing_change_nothing(tmp_path, rows):
 
 def test_student_equal_to_teacher_gives_zero_loss_and_gradient(tmp_path, rows):
     """A student that is the teacher (same preset and seed): every distillation loss is 0 and so is
-    the gradient; agreement and both cosines are 1."""
+    the gradient; agreement and both cosines are 1; the teacher receives no gradient at all."""
     over = {**ALL, "model.preset": "tiny-teacher", "model.seed": 1, "distill.alpha": 1.0,
             "distill.layer_map": {0: 0, 3: 3}, "distill.feature_layer_map": {2: 2, 4: 4}}
     trainer = DistillTrainer(config(tmp_path, rows, **over), progress=False)
@@ -94,26 +94,9 @@ def test_student_equal_to_teacher_gives_zero_loss_and_gradient(tmp_path, rows):
     for k in ("top1_agreement", "logit_cosine", "hidden_cosine"):
         assert float(metrics[k]) / n == pytest.approx(1.0, abs=1e-5), k
     assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) / n < 1e-6  # the step divides by n
-
-
-def test_the_teacher_is_frozen_inside_the_step(tmp_path, rows):
-    """Three steps change the student and not the teacher; the train state holds only the student;
-    the teacher receives no gradient through the loss (stop_gradient)."""
-    trainer = DistillTrainer(config(tmp_path, rows), progress=False)
-    parts = trainer.setup()
-    teacher_before = [np.asarray(x) for x in jax.tree.leaves(parts["frozen"])]
-    state = parts["state"]
-    student_before = [np.asarray(x) for x in jax.tree.leaves(state.params)]
-    from posttrain.models import count_params
-
-    assert sum(x.size for x in student_before) == count_params(trainer.model)
-    for _ in range(3):
-        state, metrics = parts["step"](state, {k: jnp.asarray(v) for k, v in next(parts["batches"]).items()})
-    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(teacher_before, jax.tree.leaves(parts["frozen"])))
-    assert any(not np.array_equal(a, np.asarray(b)) for a, b in zip(student_before, jax.tree.leaves(state.params)))
-    batch = {k: jnp.asarray(v) for k, v in to_arrays(trainer.train_examples[:4], 16, 0, False).items()}
+    # The teacher is a constant of the loss (stop_gradient): no gradient reaches it.
     tg, tp = nnx.split(trainer.teacher)
-    g = jax.grad(lambda p: trainer.loss_fn(trainer.model, batch, frozen=nnx.merge(tg, p))[0])(tp)
+    g = jax.jit(jax.grad(lambda p: trainer.loss_fn(trainer.model, batch, frozen=nnx.merge(tg, p))[0]))(tp)
     assert all(float(jnp.max(jnp.abs(x))) == 0 for x in jax.tree.leaves(g))
 
 
@@ -146,8 +129,8 @@ def test_teacher_generated_data_is_sampled_once_and_cached(tmp_path, rows, monke
 
 def test_on_policy_mixes_student_samples_and_resumes_exactly(tmp_path, rows):
     """mode=on_policy (GKD, λ = 0.5, JSD): the steps drawn on-policy train on the student's own samples,
-    the others on the dataset (the logged on_policy flags); a run resumed from the checkpoint after
-    step 4 ends with the same weights as the uninterrupted one."""
+    the others on the dataset (the logged on_policy flags); the teacher is unchanged by the steps; a
+    run resumed from the checkpoint after step 4 ends with the same weights as the uninterrupted one."""
     cfg = config(tmp_path, rows, **{"distill.mode": "on_policy", "distill.lmbda": 0.5, "distill.max_new_tokens": 4,
                                     "distill.kind": "jsd", "train.steps": 5, "checkpoint.every": 1,
                                     "checkpoint.keep": 5, "checkpoint.async_save": False})
@@ -157,6 +140,9 @@ def test_on_policy_mixes_student_samples_and_resumes_exactly(tmp_path, rows):
     assert any(kinds) and not all(kinds)
     first = DistillTrainer(cfg, progress=False)
     first.train()
+    fresh = DistillTrainer(cfg, progress=False)  # the teacher stayed frozen through the steps
+    for x, y in zip(jax.tree.leaves(nnx.state(first.teacher)), jax.tree.leaves(nnx.state(fresh.teacher))):
+        np.testing.assert_array_equal(x, y)
     logged = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["on_policy"] for m in logged] == [float(k) for k in kinds]
     assert all(("completion/length" in m) == k for m, k in zip(logged, kinds))  # sampled on those steps only
@@ -240,7 +226,7 @@ def test_distilling_a_trained_teacher_into_a_half_width_student(tmp_path, rows):
     sft = C.from_dict(C.SFTConfig, {
         "model": {"preset": "tiny-teacher"}, "data": {"train": rows[0], "max_length": 16},
         "optim": {"lr": 1.5e-3, "warmup_steps": 20, "schedule": "constant"},
-        "train": {"steps": 120, "batch_size": 32, "log_every": 50}, "metrics": {"sinks": ["jsonl"]},
+        "train": {"steps": 120, "batch_size": 32, "log_every": 40}, "metrics": {"sinks": ["jsonl"]},
         "run_dir": str(tmp_path / "teacher")})
     SFTTrainer(sft, progress=False).train()
     teacher = export_run(str(tmp_path / "teacher"), str(tmp_path / "teacher_hf"))
