@@ -85,7 +85,8 @@ def test_first_update_is_on_policy_and_mini_batches_partition_the_rollout(tmp_pa
 def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path):
     """Full fine-tuning with the shared value head (a frozen reference copy), 2 epochs x 2 mini-batches
     per rollout: a run killed after step 5 (inside the second rollout) resumes to the same policy, value
-    head and KL coefficient as the uninterrupted run; the first rollout's KL to the reference is 0."""
+    head and KL coefficient as the uninterrupted run; the first rollout's KL to the reference is 0; the
+    run exports as a causal LM with the trained policy's logits."""
     cfg = config(tmp_path, **{"train.steps": 6, "checkpoint.every": 1, "checkpoint.keep": 6,
                               "checkpoint.async_save": False, "lora.enabled": False, "ppo.critic": "shared"})
     first = PPOTrainer(cfg, progress=False)
@@ -98,6 +99,16 @@ def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path):
     for x, y in zip(jax.tree.leaves(nnx.state(first.model, nnx.Param)),
                     jax.tree.leaves(nnx.state(resumed.model, nnx.Param))):
         np.testing.assert_array_equal(x, y)
+    # `posttrain export --run`: the policy alone, a causal LM (the shared value head left out)
+    from posttrain import cli
+    from posttrain.models import from_pretrained
+
+    assert cli.main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
+    exported = from_pretrained(str(tmp_path / "hf"))
+    assert getattr(exported, "score", None) is None
+    ids = jnp.asarray([resumed.tokenizer.encode("12+34=")])
+    pos = jnp.arange(ids.shape[1])[None]
+    np.testing.assert_allclose(exported(ids, pos).logits, resumed.model.policy(ids, pos).logits, atol=1e-5)
     logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [m["step"] for m in logged] == [1, 2, 3, 4, 5, 6]
     coefs = [m["kl_coef"] for m in logged if "kl_coef" in m]

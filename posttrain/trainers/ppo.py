@@ -168,6 +168,11 @@ def build_critic(c: PPOConfig, tok: Tokenizer, policy, mesh=None, rules=None):
     return critic
 
 
+def ppo_model(c: PPOConfig, tok: Tokenizer, policy):
+    """(PolicyCritic as the trainer builds it around `policy`, its trainable filter): for loading a run."""
+    return PolicyCritic(policy, build_critic(c, tok, policy)), TRAINABLE_WITH_LORA if c.lora.enabled else nnx.Param
+
+
 def check_critic_tokenizer(path: str, tok: Tokenizer, vocab_size: int) -> None:
     """The critic reads the policy's token ids: its tokenizer (when it has one) must be the policy's."""
     try:

@@ -195,6 +195,10 @@ def load_run(run_dir: str):
     tok = build_tokenizer(config.model)
     model = build_model(config.model, tok, config.lora)
     trainable = LoraParam if config.lora.enabled else nnx.Param
+    if hasattr(config, "ppo"):  # the weights file holds the policy and its critic (or value head)
+        from posttrain.trainers.ppo import ppo_model
+
+        model, trainable = ppo_model(config, tok, model)
     if getattr(getattr(config, "distill", None), "projection", False):  # trained with the student, not exported
         from posttrain.models import load_config
         from posttrain.trainers.distill import ProjectionParam, attach_projection
@@ -216,6 +220,9 @@ def export_run(run_dir: str, out: str, dtype: Optional[str] = None) -> str:
 
         return export_rm_run(run_dir, out, dtype)
     config, tok, model = load_run(run_dir)
+    if hasattr(config, "ppo"):  # the policy alone, as a causal LM (a shared value head is dropped)
+        model = model.policy
+        model.score = nnx.data(None)
     if config.lora.enabled:
         merge_lora(model)
     return save_pretrained(model, out, tokenizer=tok, dtype=dtype)
