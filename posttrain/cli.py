@@ -128,7 +128,7 @@ def _report(args) -> None:
 def _demo(args) -> None:
     from posttrain.tasks import demo
 
-    demo.run(out_dir=args.out, steps=args.steps)
+    demo.run(out_dir=args.out, quick=args.quick)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(func=_report)
     d = sub.add_parser("demo", help="run the built-in demo job on a tiny local model")
     d.add_argument("--out", default="runs/demo", help="output folder")
-    d.add_argument("--steps", type=int, default=1500, help="SFT steps")
+    d.add_argument("--quick", action="store_true", help="tiny step counts: the same stages in about a minute")
     d.set_defaults(func=_demo)
     return ap
 

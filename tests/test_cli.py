@@ -21,14 +21,29 @@ def demo_run(tmp_path_factory):
 
 
 def test_demo_command_trains_evaluates_and_exports(tmp_path, capsys):
-    """`posttrain demo` end to end with few steps (the full demo is `make demo`)."""
+    """`posttrain demo --quick` end to end (the full demo is `make demo`): SFT, GRPO, DPO and distillation
+    each scored on the held-out questions and exported; summary.json, the table and the report."""
+    import json
+
     from posttrain.models import from_pretrained
 
-    assert main(["demo", "--out", str(tmp_path), "--steps", "20"]) == 0
+    assert main(["demo", "--out", str(tmp_path), "--quick"]) == 0
     out = capsys.readouterr().out
-    assert "accuracy before training: 0.0%" in out and "accuracy after 20 SFT steps" in out
-    model = from_pretrained(str(tmp_path / "hf"))
-    assert model.cfg.vocab_size == 263 and (tmp_path / "run" / "trainable.safetensors").exists()
+    assert "held-out accuracy" in out and str(tmp_path / "summary.json") in out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    stages = summary["stages"]
+    assert [s["stage"] for s in stages] == ["sft", "grpo", "dpo", "distill"]
+    assert all(0.0 <= s["accuracy"] <= 1.0 and s["seconds"] > 0 for s in stages)
+    assert [s["kl"] is None for s in stages] == [True, True, True, False] and stages[-1]["kl"] >= 0
+    assert summary["total_seconds"] >= sum(s["seconds"] for s in stages) - 1
+    widths = {}
+    for s in stages:
+        model = from_pretrained(str(tmp_path / s["stage"] / "hf"))
+        widths[s["stage"]] = model.cfg.embed_dim
+        assert model.cfg.vocab_size == 263
+    assert widths["distill"] < widths["dpo"] == widths["sft"]  # the student is smaller
+    assert (tmp_path / "data" / "pairs.jsonl").exists()
+    assert (tmp_path / "distill" / "report" / "report.html").exists()
 
 
 def test_generate_chat_with_n_samples(demo_run, capsys):

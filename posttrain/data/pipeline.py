@@ -158,6 +158,14 @@ def to_arrays(examples: list[Example], seq_len: int, pad_id: int, packing: bool)
     return {k: np.stack([r[k] for r in rows]) for k in FIELDS}
 
 
+class _Quiet(list):
+    """The examples as a list whose repr is short: Grain prints its map function when it builds the
+    first batch (measured: ~2 s for 9,605 examples, on every SFT / distillation run)."""
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} examples>"
+
+
 def batches(
     examples: list[Example],
     *,
@@ -196,6 +204,6 @@ def batches(
         ds = ds.shuffle(seed=seed)
     # repeat after shuffle: each epoch's indices reach the shuffle with the epoch folded into its seed.
     ds = ds.repeat(num_epochs)
-    ds = ds.map(functools.partial(_build_row, examples=examples, seq_len=seq_len, pad_id=pad_id))
+    ds = ds.map(functools.partial(_build_row, examples=_Quiet(examples), seq_len=seq_len, pad_id=pad_id))
     read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=4 * batch_size)
     return ds.to_iter_dataset(read_options).batch(batch_size, drop_remainder=True)
