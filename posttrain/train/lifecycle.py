@@ -9,7 +9,8 @@ trainable weights (`trainable.safetensors`) and, with the JSONL sink, the run re
 (`report/`: PNG curves and one HTML page, `posttrain.report`). Process 0 alone prints and writes files; every
 process joins checkpoint saves / restores and the final gather. Also here: `check_processes`
 (the config fits the processes; call it before anything is written), `training_state` (the
-model's train state and optimizer under the config), `place_batch` (a host batch
+model's train state and optimizer under the config), `frozen_copy` (a reference / teacher copy
+the donated train state cannot overwrite), `place_batch` (a host batch
 on the devices) and `make_eval` (the denom-weighted metrics over a fixed eval set).
 
 A trainer recipe is then its config (with the shared run_dir / train / checkpoint / metrics /
@@ -144,15 +145,23 @@ def run_trainer(config, state: TrainState, step: Callable, batches, *, name: str
     return state, result
 
 
-def training_state(config, model, *, trainable, mesh=None, rules=None):
+def training_state(config, model, *, trainable, mesh=None, rules=None, optimizer=None):
     """(graphdef, state, optimizer, lr schedule) of `model` under config.optim / config.train: the
-    trainable filter's parameters with AdamW state, placed on the mesh when there is one."""
+    trainable filter's parameters with AdamW state (or `optimizer`'s, e.g. PPO's two chains), placed
+    on the mesh when there is one."""
     lr = schedule(config.optim, config.train.steps)
-    optimizer = make_optimizer(config.optim, lr)
+    optimizer = optimizer or make_optimizer(config.optim, lr)
     graphdef, state = init_state(model, optimizer, trainable=trainable, seed=config.train.seed)
     if mesh is not None:  # optimizer state follows the parameters' shardings
         state = sh.shard_state(state, mesh, rules)
     return graphdef, state, optimizer, lr
+
+
+def frozen_copy(model):
+    """(graphdef, a copy of its state): a frozen reference (full fine-tuning) that the donated train
+    state, which starts from the same buffers, cannot overwrite."""
+    graphdef, state = nnx.split(model)
+    return graphdef, jax.tree.map(jnp.copy, state)
 
 
 def check_processes(config) -> None:

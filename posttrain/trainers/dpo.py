@@ -25,7 +25,6 @@ import os
 from typing import Literal
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -40,6 +39,7 @@ from posttrain.models.lora import LoraParam, adapters_off, trainable_fraction
 from posttrain.train import make_train_step, merge
 from posttrain.train.lifecycle import (
     check_processes,
+    frozen_copy,
     make_eval,
     place_batch,
     prepare_run_dir,
@@ -191,8 +191,7 @@ class DPOTrainer:
             ref_train, ref_eval = self._cached_reference()
         frozen = frozen_graphdef = None
         if not c.dpo.precompute_ref and not c.lora.enabled:  # full fine-tuning: a frozen copy of the start
-            frozen_graphdef, frozen = nnx.split(self.model)
-            frozen = jax.tree.map(jnp.copy, frozen)  # the train state's buffers are donated
+            frozen_graphdef, frozen = frozen_copy(self.model)
         graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
                                                         rules=self.rules)
         micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)

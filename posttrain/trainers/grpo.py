@@ -28,7 +28,6 @@ import math
 from typing import Literal, Optional
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import config as C
@@ -41,7 +40,7 @@ from posttrain.models import count_params
 from posttrain.models.lora import LoraParam, trainable_fraction
 from posttrain.rl.rollout import GroupRollout
 from posttrain.train import make_train_step, merge
-from posttrain.train.lifecycle import check_processes, run_trainer, training_state
+from posttrain.train.lifecycle import check_processes, frozen_copy, run_trainer, training_state
 from posttrain.train.metrics import model_flops_per_token
 from posttrain.trainers.sft import build_mesh, build_model, build_tokenizer
 
@@ -195,8 +194,7 @@ class GRPOTrainer:
         c, g, tok = self.config, self.config.grpo, self.tokenizer
         frozen = frozen_graphdef = None
         if g.beta and not c.lora.enabled:  # full fine-tuning with a KL term: a frozen copy of the start
-            frozen_graphdef, frozen = nnx.split(self.model)
-            frozen = jax.tree.map(jnp.copy, frozen)
+            frozen_graphdef, frozen = frozen_copy(self.model)
         graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
                                                         rules=self.rules)
         raw = make_train_step(self.loss_fn, optimizer, graphdef, schedule=lr, frozen_graphdef=frozen_graphdef,

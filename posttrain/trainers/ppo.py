@@ -29,7 +29,6 @@ import os
 from typing import Literal, Optional
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -46,8 +45,8 @@ from posttrain.models.hf import _tensor_files
 from posttrain.models.lora import adapters_off, apply_lora
 from posttrain.rl.ppo import AdaptiveKL, FixedKL, PPORollout
 from posttrain.tokenizer import Tokenizer, check_same_tokenizer
-from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule
-from posttrain.train.lifecycle import check_processes, run_trainer
+from posttrain.train import make_optimizer, make_train_step, merge, schedule
+from posttrain.train.lifecycle import check_processes, frozen_copy, run_trainer, training_state
 from posttrain.train.metrics import model_flops_per_token
 from posttrain.trainers.grpo import PromptDataSection, reward_functions
 from posttrain.trainers.reward_model import _is_classifier
@@ -168,9 +167,10 @@ def build_critic(c: PPOConfig, tok: Tokenizer, policy, mesh=None, rules=None):
     return critic
 
 
-def ppo_model(c: PPOConfig, tok: Tokenizer, policy):
-    """(PolicyCritic as the trainer builds it around `policy`, its trainable filter): for loading a run."""
-    return PolicyCritic(policy, build_critic(c, tok, policy)), TRAINABLE_WITH_LORA if c.lora.enabled else nnx.Param
+def ppo_model(c: PPOConfig, tok: Tokenizer, policy, mesh=None, rules=None):
+    """(PolicyCritic around `policy`, its trainable filter): the trainer's model, and a run's when loaded."""
+    critic = build_critic(c, tok, policy, mesh, rules)
+    return PolicyCritic(policy, critic), TRAINABLE_WITH_LORA if c.lora.enabled else nnx.Param
 
 
 def check_critic_tokenizer(path: str, tok: Tokenizer, vocab_size: int) -> None:
@@ -195,8 +195,7 @@ def check_reward_model(path: Optional[str]) -> None:
 
 
 def ppo_optimizer(c: PPOConfig):
-    """(multi_transform of the policy's and the critic's AdamW chains, the policy's lr schedule)."""
-    lr = schedule(c.optim, c.train.steps)
+    """multi_transform of the policy's AdamW chain (config.optim) and the critic's (lr ppo.critic_lr)."""
     critic_optim = dataclasses.replace(c.optim, lr=c.ppo.critic_lr or c.optim.lr)
 
     def labels(params):
@@ -206,7 +205,8 @@ def ppo_optimizer(c: PPOConfig):
         return jax.tree_util.tree_map_with_path(which, params)
 
     critic = make_optimizer(critic_optim, schedule(critic_optim, c.train.steps))
-    return optax.multi_transform({"policy": make_optimizer(c.optim, lr), "critic": critic}, labels), lr
+    policy = make_optimizer(c.optim, schedule(c.optim, c.train.steps))
+    return optax.multi_transform({"policy": policy, "critic": critic}, labels)
 
 
 class PPOTrainer:
@@ -242,25 +242,22 @@ class PPOTrainer:
         if c.data.max_prompt_length + p.max_new_tokens > policy.cfg.max_position:
             raise PosttrainError(f"data.max_prompt_length + ppo.max_new_tokens exceeds the model's maximum position "
                                  f"{policy.cfg.max_position}")
-        self.model = PolicyCritic(policy, build_critic(c, self.tokenizer, policy, self.mesh, self.rules))
-        self.trainable = TRAINABLE_WITH_LORA if c.lora.enabled else nnx.Param
+        self.model, self.trainable = ppo_model(c, self.tokenizer, policy, self.mesh, self.rules)
         self.loss_fn = make_ppo_loss(**{k: getattr(p, k) for k in (
             "num_generations", "max_new_tokens", "temperature", "epsilon_low", "epsilon_high", "dual_clip",
             "value_clip", "vf_coef", "entropy_coef")})
 
     def setup(self) -> dict:
         c, p, tok = self.config, self.config.ppo, self.tokenizer
-        use_ref = p.kl_coef > 0
+        n, use_ref = p.num_generations, p.kl_coef > 0
         frozen = frozen_graphdef = None
         if use_ref and not c.lora.enabled:  # full fine-tuning: a frozen copy of the policy's start
-            frozen_graphdef, frozen = nnx.split(self.model.policy)
-            frozen = jax.tree.map(jnp.copy, frozen)
-        optimizer, lr = ppo_optimizer(c)
-        graphdef, state = init_state(self.model, optimizer, trainable=self.trainable, seed=c.train.seed)
-        state = state if self.mesh is None else sh.shard_state(state, self.mesh, self.rules)
+            frozen_graphdef, frozen = frozen_copy(self.model.policy)
+        graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
+                                                        rules=self.rules, optimizer=ppo_optimizer(c))
         step = make_train_step(self.loss_fn, optimizer, graphdef, schedule=lr, trainable=self.trainable,
                                mesh=self.mesh, rules=self.rules)
-        n = p.num_generations
+        @jax.jit
         def prepare(st, batch, fz):
             with sh.use_mesh(self.mesh, self.rules):
                 model = merge(graphdef, st)
@@ -270,22 +267,20 @@ class PPOTrainer:
                 ref = adapters_off(model.policy) if c.lora.enabled else nnx.merge(frozen_graphdef, fz)
                 return branch_logps(ref, batch, n, temperature=p.temperature)[0], values
 
-        prepare_jit = jax.jit(prepare)
-        longest = max(len(q.ids) for q in self.prompts)
         sampler = Sampler(self.model.policy, max_len=c.data.max_prompt_length + p.max_new_tokens, pad_id=tok.pad_id,
-                          mesh=self.mesh, rules=self.rules, buckets=(longest,))
+                          mesh=self.mesh, rules=self.rules, buckets=(max(len(q.ids) for q in self.prompts),))
         params = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
                                 top_k=p.top_k, n=n, stop_ids=tok.eos_ids)
         kl = FixedKL(p.kl_coef) if p.kl_target is None else AdaptiveKL(p.kl_coef, p.kl_target, p.kl_horizon)
         rollout = PPORollout(self.prompts, tok, sampler, graphdef, batch_size=c.train.batch_size, n=n, params=params,
                              reward_funcs=self.reward_funcs, reward_weights=self.reward_weights, length=self.length,
                              seed=c.data.seed, shuffle=c.data.shuffle, reward_timeout_s=p.reward_timeout_s,
-                             on_reward_error=p.on_reward_error, prepare=lambda st, b: prepare_jit(st, b, frozen),
+                             on_reward_error=p.on_reward_error, prepare=lambda st, b: prepare(st, b, frozen),
                              kl_controller=kl, kl_estimator=p.kl_estimator, gamma=p.gamma, lam=p.lam,
                              whiten=p.whiten_advantages, ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
                              missing_eos_penalty=p.missing_eos_penalty)
         return dict(graphdef=graphdef, state=state, step=step, frozen=frozen, rollout=rollout, sampler=sampler,
-                    prepare=prepare_jit)
+                    prepare=prepare)
 
     def train(self) -> dict:
         c, p = self.config, self.config.ppo
