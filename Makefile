@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup lint clean
+.PHONY: demo test setup browser lint clean
 
 setup: $(STAMP)
 
@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VPY) -m posttrain.cli demo
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VPY) -m pytest -q -n 2 --durations=25
+
+# tests/test_report.py opens the run report in a headless browser: Debian's chromium, installed when missing.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
 lint: $(STAMP)
 	$(VPY) -m ruff check posttrain tests benchmarks
