@@ -4,7 +4,9 @@
 for parameters, optimizer state, gradients, activations and the KV cache. Parameter shapes come
 from the model itself (`nnx.eval_shape`: nothing is allocated) and each tensor's bytes are divided
 by the product of the mesh axes that the preset's rules shard it over (the exact placement
-`posttrain.sharding` gives it, indivisible dimensions included). `format_plan` renders the dict
+`posttrain.sharding` gives it, indivisible dimensions included); a mixture-of-experts model counts
+every expert (all are held; the `expert` axis splits them over fsdp) and the activations of the
+k experts each token is routed to. `format_plan` renders the dict
 and warns when the total exceeds a device's memory.
 
 What it is not: XLA's buffer assignment. Parameters, gradients and optimizer state are exact;
@@ -72,23 +74,32 @@ def _activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, t: int, remat: 
     rows: sequences on this device; t: the tensor-parallel split of heads, mlp and vocab.
     Per layer and token (compute dtype): the residual input, two norm outputs, the attention
     output projection and residual (5 D); qkv, rotated q and k, attention output
-    ((K (G + 2) + 2 N + K) H / t); gate/up, activation and product (4 F / t); attention: on the
+    ((K (G + 2) + 2 N + K) H / t); gate/up, activation and product (4 F / t; an MoE layer: k times
+    its expert width, plus the k dispatched inputs and outputs and the router logits); attention: on the
     dense path (short rows, models/attention.py `choose`) the float32 scores and compute-dtype
     probabilities over seq_len keys (N seq_len / t each), on the blockwise path only a float32
     log-sum-exp per query and head (N / t): its tiles are recomputed in the backward pass.
     With remat only each layer's input (D) is kept, plus one layer's full set during its backward.
     The loss head adds float32 logits and their gradient (2 V / t per token) and the embeddings.
     """
-    D, F, N, K, H = cfg.embed_dim, cfg.mlp_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     cb = jnp.dtype(cfg.dtype).itemsize
     tokens = rows * seq_len
     heads = _split((K * (cfg.groups + 2) + 2 * N + K) * H, t)
     dense = choose("cpu", T=seq_len, S=seq_len, branches=False, softcap=False, cached=False) == "dense"
     attn = _split(N * seq_len, t) * (4 + cb) if dense else _split(N, t) * 4
-    layer = (5 * D + heads + _split(4 * F, t)) * cb + attn
-    layers = cfg.num_layers * D * cb + layer if remat else cfg.num_layers * layer
+    per_layer = [(5 * D + heads + _mlp_activations(cfg, i, t)) * cb + attn for i in range(cfg.num_layers)]
+    layers = cfg.num_layers * D * cb + max(per_layer) if remat else sum(per_layer)
     head = 2 * _split(cfg.vocab_size, t) * 4 + D * cb
     return tokens * (layers + head)
+
+
+def _mlp_activations(cfg: ModelConfig, i: int, t: int) -> int:
+    """Per-token MLP activations of layer i (compute-dtype elements), tensor split t."""
+    if not cfg.is_moe_layer(i):
+        return _split(4 * cfg.mlp_dim, t)
+    k = cfg.experts_per_token
+    return _split(4 * k * cfg.expert_mlp_dim, t) + 2 * k * cfg.embed_dim + cfg.num_experts
 
 
 def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mapping[str, int], preset: str,

@@ -1,7 +1,7 @@
 """Logical axis names, mesh presets, and the one place that maps logical names onto a device mesh.
 
 Model code never names mesh axes: it tags every parameter with logical names (`batch, seq, embed,
-heads, kv_heads, head_dim, mlp, vocab`) through `param()`, and key activations through
+heads, kv_heads, head_dim, mlp, vocab, expert`) through `param()`, and key activations through
 `constrain()`. Only this module knows the mesh axes (`data, fsdp, tensor`) and the rules that map
 logical names onto them. Without an active mesh (`use_mesh`), `constrain` is the identity, so the
 same model runs unchanged on one device.
@@ -12,6 +12,9 @@ ones have size 1), and every preset shards the batch over `data` and `fsdp`:
   fsdp     parameters' `embed` axis over `fsdp` (ZeRO-3 style: gathered per use); batch over `fsdp`.
   tp       Megatron-style: `heads`/`kv_heads`/`mlp`/`vocab` over `tensor`; batch replicated.
   fsdp_tp  both (e.g. 8 devices = fsdp 4 x tensor 2).
+Mixture-of-experts weights [E, ...] (models/moe.py) put their `expert` axis on `fsdp` in the fsdp
+presets (expert parallelism inside the data-parallel group: each device holds E / fsdp experts
+whole instead of a slice of every expert); their tokens are exchanged by XLA's partitioner.
 A dimension that a mesh axis does not divide is left unsharded on that axis (replication is always
 correct; uneven shards are not worth their padding on tiny dimensions such as 2 kv heads on 8
 devices). Under the fsdp presets, a large parameter with no `embed` axis (the `FALLBACK` rule) is
@@ -23,7 +26,8 @@ places any NNX State / TrainState pytree, the optimizer state following its para
 `shard_batch` places a batch (each process passes its own rows in multi-process runs).
 `init_distributed` starts `jax.distributed` from the environment (one process per host).
 
-What it is not: pipeline parallelism or expert parallelism; a memory planner (see `plan.py`).
+What it is not: pipeline parallelism, or a hand-written all-to-all token exchange for experts (the
+grouped products are partitioned by XLA); a memory planner (see `plan.py`).
 References: the JAX "Distributed arrays and automatic parallelization" and "Multi-process" guides;
 Flax NNX sharding guide (logical axis annotations).
 """
@@ -55,9 +59,9 @@ _TENSOR = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "t
 # preset -> rules: logical name -> mesh axis (or tuple of axes); names absent here are replicated.
 PRESETS: dict[str, dict] = {
     "dp": {"batch": _BATCH},
-    "fsdp": {"batch": _BATCH, "embed": "fsdp", FALLBACK: "fsdp"},
+    "fsdp": {"batch": _BATCH, "expert": "fsdp", "embed": "fsdp", FALLBACK: "fsdp"},
     "tp": {"batch": _BATCH, **_TENSOR},
-    "fsdp_tp": {"batch": _BATCH, "embed": "fsdp", FALLBACK: "fsdp", **_TENSOR},
+    "fsdp_tp": {"batch": _BATCH, "expert": "fsdp", "embed": "fsdp", FALLBACK: "fsdp", **_TENSOR},
 }
 DEFAULT_RULES: dict[str, object] = PRESETS["fsdp_tp"]
 

@@ -1,9 +1,12 @@
 """ModelConfig: every architectural choice of the one decoder-only Transformer, and named presets.
 
-Families (Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3) differ only in the
-fields below; there is no second model class. `hf.py` translates a Hugging Face config.json into
-a ModelConfig; `PRESETS` holds the published shapes (used for memory planning and `eval_shape`
-parameter counts, never downloaded). Numbers are from each model's published config.json.
+Families (Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3, and the mixture-of-experts
+Qwen3-MoE and Mixtral) differ only in the fields below; there is no second model class. A
+mixture-of-experts model (num_experts > 0) swaps the gated MLP of its sparse layers for the routed
+block of `models/moe.py`; `dense_layers` keep the dense MLP of width `mlp_dim`. `hf.py`
+translates a Hugging Face config.json into a ModelConfig; `PRESETS` holds the published shapes
+(used for memory planning and `eval_shape` parameter counts, never downloaded). Numbers are from
+each model's published config.json.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class RopeConfig:
 class ModelConfig:
     """Shape and numerics of a decoder-only Transformer (HF-style names)."""
 
-    family: str = "llama"  # informational: llama | qwen2 | qwen3 | mistral | gemma | gemma2 | gemma3
+    family: str = "llama"  # informational: llama | qwen2 | qwen3 | mistral | gemma[2|3] | qwen3_moe | mixtral
     vocab_size: int  # tokens
     embed_dim: int  # hidden size D
     num_layers: int
@@ -63,6 +66,14 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of parameters
     remat: bool = False  # recompute each layer's activations in the backward pass (saves memory)
+    # Mixture of experts (models/moe.py); num_experts = 0 is a dense model and ignores the rest.
+    num_experts: int = 0  # E, routed experts per sparse layer
+    experts_per_token: int = 0  # top-k experts each token is sent to
+    expert_mlp_dim: int = 0  # gated MLP inner size of one expert (Qwen3-MoE moe_intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum 1 (Mixtral: always)
+    dense_layers: tuple[int, ...] = ()  # layer indices that keep the dense MLP (Qwen3-MoE mlp_only_layers)
+    router_aux_loss_coef: float = 0.001  # load-balancing loss weight added by the train step (HF's name)
+    router_z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE: mean logsumexp(router logits)^2)
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -87,6 +98,27 @@ class ModelConfig:
                 raise PosttrainError(f"model config: unknown layer types {sorted(bad)}; use full|sliding")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise PosttrainError("model config: sliding layers need sliding_window > 0")
+        if self.num_experts < 0:
+            raise PosttrainError(f"model config: num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts:
+            if not 0 < self.experts_per_token <= self.num_experts:
+                raise PosttrainError(f"model config: experts_per_token must be in 1..num_experts ({self.num_experts}), "
+                                     f"got {self.experts_per_token}")
+            if self.expert_mlp_dim <= 0:
+                raise PosttrainError(f"model config: expert_mlp_dim must be positive, got {self.expert_mlp_dim}")
+            bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+            if bad:
+                raise PosttrainError(f"model config: dense_layers {bad} are not layer indices 0..{self.num_layers - 1}")
+            if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
+                raise PosttrainError("model config: router_aux_loss_coef and router_z_loss_coef must be >= 0")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i routes over experts (models/moe.py) instead of the dense MLP."""
+        return self.num_experts > 0 and i not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
 
     @property
     def groups(self) -> int:
@@ -164,6 +196,16 @@ PRESETS: dict[str, ModelConfig] = {
         **_GEMMA3, vocab_size=262_208, embed_dim=2560, num_layers=34, num_heads=8, num_kv_heads=4,
         mlp_dim=10_240, query_scale=256 ** -0.5, sliding_window=1024, layer_types=_gemma3_types(34),
         rope=RopeConfig(theta=1_000_000.0, kind="linear", factor=8.0)),
+    # Mixture of experts: Qwen3-30B-A3B (128 experts of width 768, top 8) and Mixtral 8x7B (8 of 14336, top 2).
+    "qwen3-30b-a3b": ModelConfig(
+        family="qwen3_moe", vocab_size=151_936, embed_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+        head_dim=128, mlp_dim=6144, max_position=40_960, norm_eps=1e-6, qk_norm=True,
+        rope=RopeConfig(theta=1_000_000.0), num_experts=128, experts_per_token=8, expert_mlp_dim=768,
+        norm_topk_prob=True),
+    "mixtral-8x7b": ModelConfig(
+        family="mixtral", vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, mlp_dim=14_336, max_position=32_768, rope=RopeConfig(theta=1_000_000.0),
+        num_experts=8, experts_per_token=2, expert_mlp_dim=14_336, router_aux_loss_coef=0.02),
     # The demo's from-scratch model (byte tokenizer: vocab 263).
     "demo-tiny": ModelConfig(
         family="llama", vocab_size=263, embed_dim=128, num_layers=3, num_heads=4, num_kv_heads=4,

@@ -35,7 +35,8 @@ from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig, RopeConfig
 from posttrain.models.transformer import Transformer
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
+MOE = ("qwen3_moe", "mixtral")  # mixture-of-experts families (models/moe.py)
 
 # ----------------------------------------------------------------------------- config
 
@@ -92,15 +93,36 @@ def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
                   attn_softcap=getattr(hf, "attn_logit_softcapping", None),
                   final_softcap=getattr(hf, "final_logit_softcapping", None))
     kw["qkv_bias"] = mt == "qwen2"
-    kw["qk_norm"] = mt in ("qwen3", "gemma3_text")
+    kw["qk_norm"] = mt in ("qwen3", "gemma3_text", "qwen3_moe")
+    if mt in MOE:
+        kw.update(_moe_from_hf(hf, mt, where))
     types = getattr(hf, "layer_types", None)
     window = getattr(hf, "sliding_window", None)
     if types and "sliding_attention" in types:
         kw["layer_types"] = tuple("sliding" if t == "sliding_attention" else "full" for t in types)
         kw["sliding_window"] = window
-    elif mt == "mistral" and window:
-        kw["sliding_window"] = window  # Mistral: every layer slides
+    elif mt in ("mistral", "mixtral", "qwen3_moe") and window:
+        kw["sliding_window"] = window  # every layer slides (Qwen3-MoE: only with use_sliding_window)
     return ModelConfig(**kw)
+
+
+def _moe_from_hf(hf, mt: str, where: str) -> dict:
+    """The mixture-of-experts fields of a qwen3_moe / mixtral config; unsupported options are errors."""
+    L = hf.num_hidden_layers
+    if getattr(hf, "router_jitter_noise", 0.0):  # multiplicative noise on the router input while training
+        raise PosttrainError(f"{where}: router_jitter_noise = {hf.router_jitter_noise} is not supported; set it to 0")
+    if mt == "mixtral":
+        return dict(num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
+                    expert_mlp_dim=hf.intermediate_size, norm_topk_prob=True,
+                    router_aux_loss_coef=float(hf.router_aux_loss_coef))
+    E, step = hf.num_experts, hf.decoder_sparse_step or 1
+    only = set(hf.mlp_only_layers or ())
+    if E <= 0:
+        return {}  # every layer dense: a plain Qwen3-style model
+    dense = tuple(i for i in range(L) if i in only or (i + 1) % step != 0)
+    return dict(num_experts=E, experts_per_token=hf.num_experts_per_tok, expert_mlp_dim=hf.moe_intermediate_size,
+                norm_topk_prob=bool(hf.norm_topk_prob), dense_layers=dense,
+                router_aux_loss_coef=float(hf.router_aux_loss_coef))
 
 
 def config_to_hf(cfg: ModelConfig, **extra) -> dict:
@@ -135,9 +157,11 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
         scalar = (cfg.query_scale or cfg.head_dim ** -0.5) ** -2
         d.update(query_pre_attn_scalar=int(round(scalar)) if abs(scalar - round(scalar)) < 1e-6 else scalar,
                  attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap)
+    if cfg.num_experts or mt in MOE:
+        d.update(_moe_to_hf(cfg, mt))
     if cfg.sliding_window:
         d["sliding_window"] = cfg.sliding_window
-        if mt in ("qwen2", "qwen3"):
+        if mt in ("qwen2", "qwen3", "qwen3_moe"):
             d["use_sliding_window"] = True
     if cfg.layer_types or mt in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
         d["layer_types"] = [("sliding_attention" if cfg.layer_type(i) == "sliding" else "full_attention")
@@ -147,18 +171,61 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
     return d
 
 
+def _moe_to_hf(cfg: ModelConfig, mt: str) -> dict:
+    if mt not in MOE:
+        raise PosttrainError(f"cannot export a mixture-of-experts model as family {cfg.family!r}; use "
+                             f"{' or '.join(MOE)}")
+    if mt == "mixtral":
+        if cfg.dense_layers or not cfg.norm_topk_prob or not cfg.num_experts:
+            raise PosttrainError("cannot export as mixtral: Mixtral has experts on every layer (dense_layers = ()) "
+                                 "and renormalised top-k weights (norm_topk_prob = true)")
+        return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                    intermediate_size=cfg.expert_mlp_dim, router_aux_loss_coef=cfg.router_aux_loss_coef,
+                    router_jitter_noise=0.0)
+    return dict(num_experts=cfg.num_experts, num_experts_per_tok=max(cfg.experts_per_token, 1),
+                moe_intermediate_size=cfg.expert_mlp_dim or cfg.mlp_dim, norm_topk_prob=cfg.norm_topk_prob,
+                decoder_sparse_step=1, mlp_only_layers=sorted(cfg.dense_layers),
+                router_aux_loss_coef=cfg.router_aux_loss_coef)
+
+
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-         "gemma3_text": "Gemma3ForCausalLM"}
+         "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 # transformers' sequence-classification class of each family (gemma3_text: the text-only one).
 _CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
              "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
              "gemma": "GemmaForSequenceClassification", "gemma2": "Gemma2ForSequenceClassification",
-             "gemma3_text": "Gemma3TextForSequenceClassification"}
+             "gemma3_text": "Gemma3TextForSequenceClassification",
+             "qwen3_moe": "Qwen3MoeForSequenceClassification", "mixtral": "MixtralForSequenceClassification"}
 HEADS = (None, "score")
 
 # ----------------------------------------------------------------------------- weight names
-# Each entry: posttrain path -> (HF keys, hf arrays -> posttrain array, posttrain array -> hf arrays).
+# Each entry: posttrain path -> (HF keys, hf arrays -> posttrain array, posttrain array -> hf arrays[, alternative
+# (HF keys, loader) read when the first key is missing: transformers' fused in-memory expert layout)].
+
+
+def _expert_map(m: dict, cfg: ModelConfig, i: int, p: str) -> None:
+    """Layer i's router and experts. On disk (what transformers 5.12 `save_pretrained` writes) every expert
+    is its own Linear: qwen3_moe `mlp.experts.<e>.{gate,up,down}_proj`, mixtral
+    `block_sparse_moe.experts.<e>.{w1,w3,w2}` (gate, up, down); in memory transformers fuses them into
+    [E, 2F, D] `experts.gate_up_proj` and [E, D, F] `experts.down_proj`, which are read too."""
+    E, D, F = cfg.num_experts, cfg.embed_dim, cfg.expert_mlp_dim
+    mix = cfg.family == "mixtral"
+    b = p + ("block_sparse_moe." if mix else "mlp.")
+    gate, up, down = ("w1", "w3", "w2") if mix else ("gate_proj", "up_proj", "down_proj")
+    ex = [b + f"experts.{e}." for e in range(E)]
+    fused = p + "mlp.experts."
+    m[("layers", i, "mlp", "router")] = ([b + "gate.weight"], lambda w: w.T, lambda w: [w.T],
+                                         ([p + "mlp.gate.weight"], lambda w: w.T))
+    m[("layers", i, "mlp", "expert_gate_up")] = (
+        [e + f"{gate}.weight" for e in ex] + [e + f"{up}.weight" for e in ex],
+        lambda *a: np.stack([np.stack([g.T, u.T], axis=1) for g, u in zip(a[:E], a[E:])]),
+        lambda w: [w[e, :, 0].T for e in range(E)] + [w[e, :, 1].T for e in range(E)],
+        ([fused + "gate_up_proj"], lambda w: w.reshape(E, 2, F, D).transpose(0, 3, 1, 2)))
+    m[("layers", i, "mlp", "expert_down")] = (
+        [e + f"{down}.weight" for e in ex], lambda *a: np.stack([w.T for w in a]),
+        lambda w: [w[e].T for e in range(E)],
+        ([fused + "down_proj"], lambda w: w.transpose(0, 2, 1)))
 
 
 def _weight_map(cfg: ModelConfig, head: Optional[str] = None) -> dict[tuple, tuple[list[str], Callable, Callable]]:
@@ -191,10 +258,13 @@ def _weight_map(cfg: ModelConfig, head: Optional[str] = None) -> dict[tuple, tup
         if cfg.qk_norm:
             m[("layers", i, "attn", "q_norm", "scale")] = ([a + "q_norm.weight"], *ident)
             m[("layers", i, "attn", "k_norm", "scale")] = ([a + "k_norm.weight"], *ident)
-        m[("layers", i, "mlp", "gate_up")] = (
-            [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
-            lambda g, u: np.stack([g.T, u.T], axis=1), lambda w: [w[:, 0].T, w[:, 1].T])
-        m[("layers", i, "mlp", "down")] = ([p + "mlp.down_proj.weight"], lambda w: w.T, lambda w: [w.T])
+        if cfg.is_moe_layer(i):
+            _expert_map(m, cfg, i, p)
+        else:
+            m[("layers", i, "mlp", "gate_up")] = (
+                [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
+                lambda g, u: np.stack([g.T, u.T], axis=1), lambda w: [w[:, 0].T, w[:, 1].T])
+            m[("layers", i, "mlp", "down")] = ([p + "mlp.down_proj.weight"], lambda w: w.T, lambda w: [w.T])
         m[("layers", i, "attn_norm", "scale")] = ([p + "input_layernorm.weight"], *ident)
         if gemma_sandwich:
             m[("layers", i, "post_attn_norm", "scale")] = ([p + "post_attention_layernorm.weight"], *ident)
@@ -308,7 +378,9 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
         for key, var in flat.items():
             if key not in wmap:
                 raise AssertionError(f"no HF name for posttrain parameter {key}")
-            names, load, _ = wmap[key]
+            names, load = wmap[key][:2]
+            if names[0] not in files and len(wmap[key]) > 3 and wmap[key][3][0][0] in files:
+                names, load = wmap[key][3]
             arrays = []
             for name in names:
                 if name not in files:
@@ -362,7 +434,7 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
         config_extra = {"architectures": [_CLS_ARCH.get(mt, mt)], "id2label": {str(i): f"LABEL_{i}" for i in labels},
                         "label2id": {f"LABEL_{i}": i for i in labels}, **config_extra}
     tensors: dict[str, np.ndarray] = {}
-    for key, (names, _, save) in _weight_map(cfg, head).items():
+    for key, (names, _, save, *_alt) in _weight_map(cfg, head).items():
         arr = np.asarray(jax.device_get(flat[key][...])).astype(out_dtype)
         for n, a in zip(names, save(arr)):
             tensors[n] = np.ascontiguousarray(a)

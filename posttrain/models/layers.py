@@ -1,4 +1,5 @@
-"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention with a KV cache, gated MLP.
+"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention with a KV cache, gated MLP
+(the mixture-of-experts block that replaces it on sparse layers is in moe.py).
 
 What it is: the numerics of the decoder layer, written to match Hugging Face transformers
 (float32 RMSNorm, rotate-half RoPE with default/linear/llama3 scaling, Gemma's (1 + w) norms,
@@ -219,7 +220,12 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(D, **norm)
         self.attn = Attention(cfg, layer, rngs=rngs)
         self.mlp_norm = RMSNorm(D, **norm)
-        self.mlp = MLP(cfg, rngs=rngs)
+        if cfg.is_moe_layer(layer):
+            from posttrain.models.moe import MoE
+
+            self.mlp = MoE(cfg, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, rngs=rngs)
         if cfg.sandwich_norm:
             self.post_attn_norm, self.post_mlp_norm = RMSNorm(D, **norm), RMSNorm(D, **norm)
         else:
@@ -227,12 +233,15 @@ class Block(nnx.Module):
         self.rope = cfg.layer_rope(layer)  # static: the Transformer passes this RopeConfig's (cos, sin)
 
     def __call__(self, x, rope, layout, kv=None, write_index=None, return_attn=False):
+        """Returns (x, kv, attention probabilities or None, router logits [B, T, E] or None: dense MLP)."""
         h, kv, attn = self.attn(self.attn_norm(x), rope, layout, kv, write_index, return_attn)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
-        h = self.mlp(self.mlp_norm(x))
+        h, router = self.mlp(self.mlp_norm(x)), None
+        if isinstance(h, tuple):  # mixture of experts (models/moe.py)
+            h, router = h
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
         x = constrain(x + h, ("batch", "seq", "embed"))
-        return x, kv, attn
+        return x, kv, attn, router

@@ -2,7 +2,8 @@
 
 `Transformer(tokens, positions, *, cache=None, segment_ids=None, branch_ids=None, return_hidden=False,
 return_attn=False)` returns a `ModelOutput`. What it is not: a sampler (see `posttrain.generate`)
-or a loss (see `posttrain.losses`).
+or a loss (see `posttrain.losses`). Mixture-of-experts layers (`models/moe.py`) return their router
+logits (`return_router_logits`) and, without a cache, record them for the train step's router losses.
 
 Masking rule, the same with and without a cache (`models/attention.py` holds it and the
 implementations): a query attends a key slot when the slot holds a real token (segment id != 0 /
@@ -21,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.models import moe
 from posttrain.models.attention import Layout, softcap
 from posttrain.models.config import ModelConfig
 from posttrain.models.layers import Block, RMSNorm, rope_cos_sin
@@ -61,6 +63,7 @@ class ModelOutput(NamedTuple):
     cache: Optional[KVCache]  # updated cache when one was passed
     hidden: Optional[tuple]  # L + 1 states [B, T, D]: embeddings, then each layer; the last after the final norm
     attn: Optional[tuple]  # L attention probabilities [B, N, T, S] (None for a layer not asked for)
+    router_logits: Optional[tuple] = None  # per MoE layer [B, T, E] float32, when return_router_logits
 
 
 class Transformer(nnx.Module):
@@ -108,12 +111,15 @@ class Transformer(nnx.Module):
         return {r: rope_cos_sin(positions, r, self.cfg.head_dim) for r in {b.rope for b in self.layers}}
 
     def __call__(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None, branch_ids=None,
-                 return_hidden=False, return_attn=False, return_logits=True, rope_tables=None) -> ModelOutput:
+                 return_hidden=False, return_attn=False, return_logits=True, rope_tables=None,
+                 return_router_logits=False) -> ModelOutput:
         """tokens, positions: [B, T] int; segment_ids: [B, T] int (0 = padding) or None;
         branch_ids: [B, T] int (0 = shared prefix, b > 0 = continuation b of a prefix-shared row) or None.
 
         rope_tables: from `rope_tables(n)` with every position < n, or None to compute RoPE here.
-        return_attn: True for every layer's attention probabilities, or a collection of layer indices."""
+        return_attn: True for every layer's attention probabilities, or a collection of layer indices.
+        return_router_logits: the router logits of every MoE layer (models/moe.py); without a cache they
+        are also recorded for the train step's router losses (`moe.collect_router`)."""
         B, T = tokens.shape
         positions = positions.astype(jnp.int32)
         real_pos = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, -1)
@@ -145,19 +151,23 @@ class Transformer(nnx.Module):
         # maps a few); the others keep the blockwise attention, which never forms [T, S] probabilities.
         want = set(range(len(self.layers))) if return_attn is True else set(return_attn or ())
         x = self.embed_tokens(tokens)
-        hidden, attns, ks, vs = [x], [], [], []
+        hidden, attns, ks, vs, routers = [x], [], [], [], []
         for i, blk in enumerate(self.layers):
             kv = None if cache is None else (cache.k[i], cache.v[i])
             if self.cfg.remat and cache is None and i not in want:  # keep only each layer's input for the backward
-                x, kv, attn = nnx.remat(lambda b, h, r, m: b(h, r, m))(blk, x, ropes[blk.rope], layout)
+                x, kv, attn, router = nnx.remat(lambda b, h, r, m: b(h, r, m))(blk, x, ropes[blk.rope], layout)
             else:
-                x, kv, attn = blk(x, ropes[blk.rope], layout, kv, None if cache is None else cache.index,
-                                  i in want)
+                x, kv, attn, router = blk(x, ropes[blk.rope], layout, kv, None if cache is None else cache.index,
+                                          i in want)
+            if router is not None:
+                routers.append(router)
             if cache is not None:
                 ks.append(kv[0])
                 vs.append(kv[1])
             hidden.append(x)
             attns.append(attn)
+        if routers and cache is None:
+            moe.record(self, routers, real_pos >= 0)
         x = self.final_norm(x)
         hidden[-1] = x
         new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs), k_pos, cache.index + T, k_branch)
@@ -166,6 +176,7 @@ class Transformer(nnx.Module):
             cache=new_cache,
             hidden=tuple(hidden) if return_hidden else None,
             attn=tuple(attns) if want else None,
+            router_logits=tuple(routers) if return_router_logits else None,
         )
 
 

@@ -10,6 +10,11 @@ and a `lax.scan` sums each micro-batch's loss total and gradient; both are divid
 denominator at the end (losses return sums; see `posttrain.losses`), so M micro-batches give the
 full-batch gradient exactly (token-weighted), whatever the padding in each micro-batch.
 
+Mixture-of-experts models: the router losses of `models/moe.py` (load balancing x the model's
+`router_aux_loss_coef`, z-loss x `router_z_loss_coef`) are added to every loss here, once per
+unit of `denom` (so the step's mean gets coef x aux), with `router_aux_loss`, `router_z_loss` and
+`expert_load_<e>` in the metrics; a dense model's step is unchanged.
+
 Non-finite guard: when the loss or the gradient norm is NaN/Inf the step keeps the previous
 parameters and optimizer state (the update is skipped), reports `skipped = 1`, and counts
 consecutive such steps in `state.nonfinite`; the loop halts the run after too many in a row.
@@ -26,6 +31,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from posttrain.models import moe
 from posttrain.sharding import use_mesh
 
 
@@ -69,7 +75,12 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     def grads_of(params, rest, batch, frozen_model, rng):
         def f(p):
             model = nnx.merge(graphdef, p, rest)
-            total, metrics = loss_fn(model, batch, frozen=frozen_model, rng=rng)
+            with moe.collect_router(model) as sink:
+                total, metrics = loss_fn(model, batch, frozen=frozen_model, rng=rng)
+            if (routed := moe.router_loss(sink)) is not None:  # MoE only: per denom unit, like the loss
+                aux, extra = routed
+                total = total + aux * jax.lax.stop_gradient(metrics["denom"])
+                metrics = {**metrics, **{k: v * metrics["denom"] for k, v in extra.items()}}
             _, _, new_rest = nnx.split(model, trainable, ...)
             return total, (metrics, new_rest)
 
