@@ -391,15 +391,21 @@ class CheckpointSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MetricsSection:
-    # Where metrics go: any of console, jsonl, tensorboard, prometheus.
-    sinks: tuple[Literal["console", "jsonl", "tensorboard", "prometheus"], ...] = ("console", "jsonl")
+    # Where metrics go: any of console, jsonl, tensorboard, prometheus, wandb (pip install 'posttrain[wandb]').
+    sinks: tuple[Literal["console", "jsonl", "tensorboard", "prometheus", "wandb"], ...] = ("console", "jsonl")
     prometheus_host: str = "127.0.0.1"  # the exporter binds here (loopback unless you change it)
     prometheus_port: int = 9400  # HTTP port of the Prometheus exporter; 0 = pick a free port
+    wandb_project: str = "posttrain"  # W&B project of the wandb sink; its run name = the run folder's name
     peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = measured once on CPU
 
     def __post_init__(self):
         if not 0 <= self.prometheus_port < 65536:
             raise PosttrainError(f"metrics.prometheus_port must be in [0, 65535], got {self.prometheus_port}")
+        import importlib.util
+
+        if "wandb" in self.sinks and importlib.util.find_spec("wandb") is None:  # fail before training, not after
+            raise PosttrainError("metrics.sinks names 'wandb' but the wandb package is not installed; install it "
+                                 "with `pip install 'posttrain[wandb]'` or drop 'wandb' from metrics.sinks")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -144,8 +144,8 @@ def test_literal_violation_lists_allowed_values():
            from_dict, SFTConfig, {"model": {"preset": "tiny"}, "data": {"train": "t", "truncation": "cut"}})
     raises(["'optim.schedule'", "'constant', 'linear', 'cosine'"],
            load, SFTConfig, None, ["optim.schedule=exp"])
-    raises(["'metrics.sinks[1]'", "'console', 'jsonl', 'tensorboard', 'prometheus'", "'wandb'"],
-           load, SFTConfig, None, ["model.preset=tiny", "data.train=t", "metrics.sinks=[jsonl, wandb]"])
+    raises(["'metrics.sinks[1]'", "'console', 'jsonl', 'tensorboard', 'prometheus', 'wandb'", "'mlflow'"],
+           load, SFTConfig, None, ["model.preset=tiny", "data.train=t", "metrics.sinks=[jsonl, mlflow]"])
 
 
 def test_missing_required_field_is_named():

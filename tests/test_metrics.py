@@ -2,7 +2,9 @@
 
 import json
 import math
+import os
 import struct
+import time
 import urllib.request
 
 import jax
@@ -156,3 +158,146 @@ def test_memory_stats_on_cpu():
     else:
         assert stats["device_peak_bytes"] >= stats["device_bytes_in_use"] >= 0
 
+
+
+# ----------------------------------------------------------------------------- Weights & Biases
+
+
+def _wandb_records(path):
+    """The protobuf records of a `.wandb` file (wandb's LevelDB-style log): a 7-byte header
+    (':W&B', magic, version), then 32 KiB blocks of chunks [u32 crc][u16 length][u8 type][data],
+    type 1 = a whole record, 2/3/4 = its first/middle/last piece; a block's tail under 7 bytes is padding."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    out, pos, block, parts = [], 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:  # zero padding at the end of the file
+            break
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):
+            parts = b""
+        parts += chunk
+        if kind in (1, 4):
+            out.append(pb.Record.FromString(parts))
+    return out
+
+
+def _finished_wandb_run(run_dir, timeout=60.0):
+    """The records of the one offline run under `run_dir`, once its exit record is on disk: `finish()`
+    returns when wandb-core has handled the exit, and the core writes the file's last block when it
+    closes the stream, a moment later (at the latest when the process exits)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+        assert len(files) == 1, files  # one run, written inside the run folder
+        records = _wandb_records(files[0])
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def wandb_offline(tmp_path, monkeypatch):
+    """wandb in offline mode with its settings and caches under tmp_path (nothing in $HOME, no network)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
+    for var in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_RUN_ID", "WANDB_DIR", "WANDB_RESUME"):
+        monkeypatch.delenv(var, raising=False)
+    yield
+    import wandb
+
+    wandb.teardown()  # wandb keeps process-wide settings from the environment it first saw: start afresh
+
+
+def test_wandb_sink_offline_logs_scalars_config_and_name(tmp_path, wandb_offline):
+    run_dir = tmp_path / "my-run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("train:\n  steps: 7\n  seed: 3\nrun_dir: my-run\n")
+    section = MetricsSection(sinks=("console", "jsonl", "wandb"), wandb_project="proj-x")
+    sinks = M.make_sinks(section, run_dir)
+    assert [type(s) for s in sinks] == [M.JsonlSink, M.WandbSink]
+    wb = sinks[1]
+    wb.write(1, {"loss": 2.5, "lr": np.float32(0.125)})
+    wb.write(2, {"loss": 1.25, "lr": jnp.asarray(0.0625)})
+    wb.write(2, {"eval_loss": 3.5})  # an evaluation at the same step joins that step's row
+    wb.write(4, {"loss": 0.75})
+    for s in sinks:
+        s.close()
+    wb.close()  # closing twice is harmless
+
+    records = _finished_wandb_run(run_dir)
+    runs = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert runs and runs[0].display_name == "my-run" and runs[0].project == "proj-x"
+    config = {u.key or "/".join(u.nested_key): json.loads(u.value_json) for r in runs for u in r.config.update}
+    config.pop("_wandb", None)
+    assert config == {"train": {"steps": 7, "seed": 3}, "run_dir": "my-run"}
+    history = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            row = {k: v for k, v in items.items() if not k.startswith("_")}  # _step, _runtime, _timestamp
+            history.setdefault(r.history.step.num, {}).update(row)
+    assert history == {1: {"loss": 2.5, "lr": 0.125}, 2: {"loss": 1.25, "lr": 0.0625, "eval_loss": 3.5},
+                       4: {"loss": 0.75}}
+    assert any(r.WhichOneof("record_type") == "exit" for r in records)  # finished cleanly
+
+
+def test_wandb_sink_takes_an_explicit_config_and_name(tmp_path, wandb_offline):
+    sink = M.WandbSink(tmp_path / "r", project="p", name="custom", config={"optim": {"lr": 0.5}})
+    sink.write(3, {"reward": 1.0})
+    sink.close()
+    runs = [r.run for r in _finished_wandb_run(tmp_path / "r") if r.WhichOneof("record_type") == "run"]
+    assert runs[0].display_name == "custom"
+    assert {u.key or "/".join(u.nested_key): json.loads(u.value_json)
+            for u in runs[0].config.update}["optim"] == {"lr": 0.5}
+
+
+def test_wandb_not_installed_is_a_config_error(tmp_path, monkeypatch, capsys):
+    import sys
+
+    from posttrain.config import SFTConfig, load
+    from posttrain.errors import PosttrainError
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails, find_spec finds nothing
+    with pytest.raises(PosttrainError, match=r"posttrain\[wandb\]"):
+        load(SFTConfig, None, ["model.preset=tiny", "data.train=t", "metrics.sinks=[jsonl, wandb]"])
+    with pytest.raises(PosttrainError, match=r"posttrain\[wandb\]"):
+        M.WandbSink(tmp_path)
+    assert MetricsSection(sinks=("jsonl",)).sinks == ("jsonl",)  # not asked for: no error
+    # The CLI: one line, exit 2, nothing written (the check runs when the config is read).
+    from posttrain.cli import main
+
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "sft_tiny.yaml")
+    rc = main(["sft", "--config", config, f"run_dir={tmp_path / 'run'}", "metrics.sinks=[wandb]"])
+    assert rc == 2 and "pip install 'posttrain[wandb]'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_that_cannot_start_is_a_clear_error_and_closes_the_other_sinks(tmp_path, wandb_offline, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")  # online without any API key: wandb refuses before any network
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc credentials either
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / ".netrc"))
+    from posttrain.errors import PosttrainError
+
+    section = MetricsSection(sinks=("jsonl", "prometheus", "wandb"), prometheus_port=0)
+    opened = []
+    real = M.PrometheusSink.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        opened.append(self)
+
+    monkeypatch.setattr(M.PrometheusSink, "__init__", spy)
+    with pytest.raises(PosttrainError, match="WANDB_MODE=offline"):
+        M.make_sinks(section, tmp_path / "run")
+    assert len(opened) == 1 and opened[0]._server is None  # the exporter was shut down, its port released

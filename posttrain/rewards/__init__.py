@@ -14,6 +14,8 @@ from posttrain.rewards.functions import (
     RewardModelReward,
     answers_match,
     boxed_contents,
+    countdown,
+    countdown_valid,
     extract_answer,
     format_reward,
     length_reward,
@@ -22,6 +24,7 @@ from posttrain.rewards.functions import (
     normalize_answer,
     overlong_penalty,
     reward_model_reward,
+    safe_arithmetic,
 )
 from posttrain.rewards.model import RewardModel, tokenize_completion
 from posttrain.rewards.runner import combine, reward_names, score
@@ -35,6 +38,9 @@ __all__ = [
     "reward_names",
     "math_answer",
     "math_answer_reward",
+    "countdown",
+    "countdown_valid",
+    "safe_arithmetic",
     "MathAnswer",
     "extract_answer",
     "boxed_contents",

@@ -11,6 +11,8 @@ What it is:
   (e.g. `trl.rewards.get_soft_overlong_punishment(...)`) can be passed as is. A function should
   accept `**_` for the columns it does not use.
 - Built-ins: `math_answer` (final-answer match, `\boxed{}` / `####`, numeric equivalence),
+  `countdown` (the completion is an arithmetic expression over the row's `nums`, each at most
+  once, equal to its `target`; parsed with `ast` and evaluated exactly, never `eval`),
   `format_reward(pattern)` (regex full match; `THINK_FORMAT` is TRL's think-tag format),
   `length_reward(target)`, `overlong_penalty(max_len, cache)` (DAPO's soft overlong punishment),
   `reward_model_reward(model)` (a `RewardModel`'s scores).
@@ -24,8 +26,10 @@ eq. 13; GSM8K's `#### answer` convention (Cobbe et al. 2021); MATH's `\boxed{}` 
 
 from __future__ import annotations
 
+import ast
 import math
 import numbers
+import operator
 import re
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
@@ -201,6 +205,85 @@ def math_answer_reward(column: str = "answer", *, last_number: bool = False, nam
 def math_answer(prompts: Sequence, completions: Sequence, answer: Sequence, **_) -> list[Optional[float]]:
     r"""Final-answer match against the `answer` column: `\boxed{}` first, then `####`; see `MathAnswer`."""
     return MathAnswer()(prompts, completions, answer=answer)
+
+
+# ----------------------------------------------------------------------------- countdown
+
+_EXPR_CHARS = re.compile(r"[0-9 \t+\-*/()]+")  # ASCII digits only: ast would read "٣" or "0x19" too
+_MAX_EXPR_CHARS = 200  # a bound on the parser's and the evaluator's work for one completion
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def safe_arithmetic(expr: str) -> tuple[Fraction, list[int]]:
+    """(exact value, the integer literals in order) of an expression of non-negative decimal
+    integers, `+ - * /` and parentheses. Anything else (names, calls, unary minus, `**`, floats,
+    hex literals, over `_MAX_EXPR_CHARS` characters) or a division by zero raises ValueError.
+
+    Safe by construction: the characters are whitelisted, then `ast.parse` builds the tree and only
+    BinOp / int Constant nodes are evaluated, with Fractions (so 7/2*2 == 7 exactly); nothing is
+    ever `eval`-ed."""
+    if not isinstance(expr, str) or len(expr) > _MAX_EXPR_CHARS or not _EXPR_CHARS.fullmatch(expr):
+        raise ValueError("not an arithmetic expression of integers, + - * / and parentheses")
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
+        raise ValueError(f"cannot parse: {err}") from None
+    leaves: list[int] = []
+
+    def value(node) -> Fraction:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            leaves.append(node.value)
+            return Fraction(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Div) and right == 0:
+                raise ValueError("division by zero")
+            return _BINOPS[type(node.op)](left, right)
+        raise ValueError(f"{type(node).__name__} is not allowed")
+
+    return value(tree.body), leaves
+
+
+def countdown_expression(completion: Any) -> str:
+    """The expression a countdown completion states: its first line, and of that the part before
+    an `=` (so `25+3*7` and `25+3*7=46` both give `25+3*7`)."""
+    text = _text(completion).strip()
+    return text.split("\n", 1)[0].split("=", 1)[0].strip()
+
+
+def _int_list(nums: Any) -> list[int]:
+    if isinstance(nums, str):  # "3 7 25" or "3,7,25"
+        return [int(n) for n in re.findall(r"\d+", nums)]
+    return [int(n) for n in nums]
+
+
+def countdown_valid(completion: Any, nums: Any, target: Any) -> bool:
+    """True when the completion's expression (`countdown_expression`) evaluates exactly to `target`
+    and uses each number at most as often as `nums` gives it (not every number need be used)."""
+    try:
+        val, used = safe_arithmetic(countdown_expression(completion))
+    except ValueError:
+        return False
+    avail: dict[int, int] = {}
+    for n in _int_list(nums):
+        avail[n] = avail.get(n, 0) + 1
+    for n in used:
+        if avail.get(n, 0) == 0:
+            return False
+        avail[n] -= 1
+    return val == Fraction(int(target))
+
+
+def countdown(prompts: Sequence, completions: Sequence, nums: Sequence = None, target: Sequence = None,
+              **_) -> list[Optional[float]]:
+    """1.0 when the completion is an expression over the row's `nums` (each at most once) equal to its
+    `target` (`countdown_valid`), else 0.0; None for a row without nums or target."""
+    if nums is None or target is None:
+        raise PosttrainError(f"reward 'countdown' needs the columns 'nums' and 'target'; the batch has "
+                             f"{sorted(c for c, v in (('nums', nums), ('target', target)) if v is not None)}. "
+                             'Give rows like {"prompt": ..., "nums": [3, 7, 25], "target": 46}')
+    return [None if n is None or t is None else float(countdown_valid(c, n, t))
+            for c, n, t in zip(completions, nums, target, strict=True)]
 
 
 # ----------------------------------------------------------------------------- format, length, overlong

@@ -1,13 +1,15 @@
 """Metric sinks, the JAX profiler window, and MFU / memory figures for the training loop.
 
 What it is: (1) sinks sharing one interface, `write(step, metrics)` and `close()`: JSONL file,
-TensorBoard (tensorboardX) and a Prometheus exporter; `make_sinks` builds the configured ones;
+TensorBoard (tensorboardX), a Prometheus exporter and Weights & Biases (the optional extra
+`posttrain[wandb]`; `WANDB_MODE=offline` works without network); `make_sinks` builds the configured ones;
 (2) `Profiler`, which traces a window of steps with `jax.profiler` into a TensorBoard-readable
 folder; (3) model FLOPs per token (for MFU), a measured matmul peak and live device memory.
 What it is not: the progress bar ("console" is the loop's tqdm bar, so it has no sink object),
 a metrics aggregator (sinks write exactly the dict they get), or the up-front memory estimate
 (that is `posttrain.plan`, printed by the trainer before training).
-References: MFU as in PaLM (Chowdhery et al. 2022, appendix B); Prometheus text exposition.
+References: MFU as in PaLM (Chowdhery et al. 2022, appendix B); Prometheus text exposition;
+`wandb.init` / `wandb.Settings` (wandb 0.31).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+
+from posttrain.errors import PosttrainError
 
 
 class Sink(Protocol):
@@ -111,13 +115,88 @@ class PrometheusSink:
             self._server = None
 
 
-def make_sinks(section, run_dir: str | os.PathLike, *, is_main_process: bool = True) -> list:
+WANDB_MISSING = ("metrics.sinks names 'wandb' but the wandb package is not installed; install it with "
+                 "`pip install 'posttrain[wandb]'` or drop 'wandb' from metrics.sinks")
+
+
+def _import_wandb():
+    try:
+        import wandb
+    except ImportError:
+        raise PosttrainError(WANDB_MISSING) from None
+    return wandb
+
+
+class WandbSink:
+    """A Weights & Biases run: every `write` is one `run.log(metrics, step=step)`, the run config is
+    logged once at start, `close()` finishes the run.
+
+    The run's name is the run folder's name, its files go under `<run_dir>/wandb/`, and
+    `WANDB_MODE=offline` (read by wandb itself) writes them without any network (`wandb sync
+    <run_dir>/wandb/offline-run-*` uploads them later). Settings keep it light: no console capture,
+    no code, git, requirements or job snapshot, no system-metrics sampler (the trainer logs memory
+    and MFU itself). Each sink is its own run (`reinit="create_new"`): a run the user opened in
+    the same process is neither reused nor finished, and a resumed training run starts a new W&B
+    run with the same name (its steps continue from the checkpoint's).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, project: str = "posttrain", name: str | None = None,
+                 config: dict | None = None):
+        wandb = _import_wandb()
+        run_dir = os.path.abspath(os.fspath(run_dir))
+        os.makedirs(run_dir, exist_ok=True)
+        if config is None:  # the trainer lifecycle saves the run's config there before building sinks
+            config = _saved_config(run_dir)
+        settings = wandb.Settings(console="off", save_code=False, disable_git=True, disable_job_creation=True,
+                                  x_save_requirements=False, x_disable_stats=True, x_disable_meta=True,
+                                  quiet=True)  # quiet: wandb still says where the run's files went
+        try:
+            self.run = wandb.init(project=project, name=name or os.path.basename(run_dir), dir=run_dir,
+                                  config=config, settings=settings, reinit="create_new")
+        except wandb.errors.Error as err:  # e.g. no API key in online mode
+            raise PosttrainError(f"metrics.sinks: wandb could not start a run ({err}); log in with `wandb login`, or "
+                                 "set WANDB_MODE=offline to write the run locally and `wandb sync` it later") from None
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log({k: float(v) for k, v in metrics.items()}, step=int(step))
+
+    def close(self) -> None:
+        if self.run is not None:
+            # Returns once wandb-core has handled the run's exit (offline: milliseconds); the core writes
+            # the file's last block when it closes the stream, at the latest when this process exits.
+            self.run.finish()
+            self.run = None
+
+
+def _saved_config(run_dir: str) -> dict | None:
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return None
+    import yaml
+
+    with open(path, encoding="utf-8") as fh:
+        return yaml.safe_load(fh)
+
+
+def make_sinks(section, run_dir: str | os.PathLike, *, is_main_process: bool = True,
+               config: dict | None = None) -> list:
     """Sinks named in `section.sinks` (a MetricsSection). Only process 0 logs: other processes of
-    a multi-host run get none, so files are not written N times nor ports bound N times."""
+    a multi-host run get none, so files are not written N times nor ports bound N times.
+    `config` (a plain dict) is the run config a W&B run records; None = `<run_dir>/config.yaml`."""
     if not is_main_process:
         return []
     run_dir = os.fspath(run_dir)
     sinks: list = []
+    try:
+        _add_sinks(sinks, section, run_dir, config)
+    except BaseException:  # e.g. wandb could not start: release the ports and files already opened
+        for sink in sinks:
+            sink.close()
+        raise
+    return sinks
+
+
+def _add_sinks(sinks: list, section, run_dir: str, config: dict | None) -> None:
     for name in section.sinks:
         if name == "jsonl":
             sinks.append(JsonlSink(os.path.join(run_dir, "metrics.jsonl")))
@@ -125,8 +204,9 @@ def make_sinks(section, run_dir: str | os.PathLike, *, is_main_process: bool = T
             sinks.append(TensorBoardSink(os.path.join(run_dir, "tensorboard")))
         elif name == "prometheus":
             sinks.append(PrometheusSink(section.prometheus_host, section.prometheus_port))
+        elif name == "wandb":
+            sinks.append(WandbSink(run_dir, project=section.wandb_project, config=config))
         # "console" is the loop's progress bar: nothing to build here.
-    return sinks
 
 
 # ----------------------------------------------------------------------------- profiler

@@ -73,7 +73,8 @@ class GRPOSection:
     beta: float = 0.0  # KL weight to the reference; 0 = no reference forward
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence = GSPO
     scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage scaling (TRL's scale_rewards)
-    # reward -> weight: built-ins (math_answer, last_number, format, overlong, reward_model) or "module:function"
+    # reward -> weight: built-ins (math_answer, last_number, countdown, format, overlong, reward_model)
+    # or "module:function"
     rewards: dict[str, float] = dataclasses.field(default_factory=lambda: {"math_answer": 1.0})
     format_pattern: Optional[str] = None  # regex for the "format" reward (full match)
     overlong_cache: int = 0  # DAPO soft overlong penalty: tokens of the soft zone before max_new_tokens
@@ -128,6 +129,8 @@ def reward_functions(g: GRPOSection, tok) -> tuple[list, list[float]]:
             funcs.append(R.math_answer)
         elif name == "last_number":  # the same check, falling back to the completion's last number
             funcs.append(R.math_answer_reward(last_number=True, name="last_number"))
+        elif name == "countdown":  # the expression over the row's "nums" equals its "target"
+            funcs.append(R.countdown)
         elif name == "format":
             if not g.format_pattern:
                 raise PosttrainError("grpo.rewards names 'format' but grpo.format_pattern is not set")
@@ -149,8 +152,8 @@ def reward_functions(g: GRPOSection, tok) -> tuple[list, list[float]]:
                 raise PosttrainError(f"grpo.rewards: {name!r} is not a function")
             funcs.append(fn)
         else:
-            raise PosttrainError(f"grpo.rewards: unknown reward {name!r}; use math_answer, last_number, format, "
-                                 "overlong, reward_model, or 'package.module:function'")
+            raise PosttrainError(f"grpo.rewards: unknown reward {name!r}; use math_answer, last_number, countdown, "
+                                 "format, overlong, reward_model, or 'package.module:function'")
     return funcs, [float(w) for w in g.rewards.values()]
 
 
