@@ -6,6 +6,7 @@ Table of contents (explicit re-exports, grouped):
 - tokenizer: Tokenizer, byte_tokenizer
 - generate: Sampler, SamplingParams
 - rewards: RewardModel (a trained reward model scoring (prompt, completion) pairs)
+- pipeline: Pipeline (one trainer, or a chain of them, from Python or a YAML file)
 """
 
 from posttrain import _xla_defaults  # noqa: F401  (must run before JAX is imported)
@@ -21,6 +22,7 @@ from posttrain.models import (
     preset,
     save_pretrained,
 )
+from posttrain.pipeline import Pipeline
 from posttrain.rewards import RewardModel
 from posttrain.tokenizer import Tokenizer, byte_tokenizer
 
@@ -29,6 +31,7 @@ __all__ = [
     "Completions", "Sampler", "SamplingParams",
     "PRESETS", "KVCache", "ModelConfig", "Transformer", "count_params", "from_pretrained", "preset",
     "save_pretrained",
+    "Pipeline",
     "RewardModel",
     "Tokenizer", "byte_tokenizer",
 ]

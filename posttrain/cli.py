@@ -1,4 +1,4 @@
-"""`posttrain` command line: `posttrain {sft,dpo,rm,grpo,ppo,distill,plan,export,report,generate,demo} ...`.
+"""`posttrain` command line: `posttrain {sft,dpo,rm,grpo,ppo,distill,run,plan,export,report,schema,generate,demo} ...`.
 
 Every user-caused error (PosttrainError) is printed as one line without a traceback and the
 process exits with code 2. Subcommands for training arrive with their trainers.
@@ -11,6 +11,7 @@ import sys
 
 from posttrain import _xla_defaults  # noqa: F401  (before JAX starts)
 from posttrain.errors import PosttrainError
+from posttrain.trainers import TRAINERS, trainer_classes
 
 
 def _generate(args) -> None:
@@ -56,27 +57,12 @@ def _done(name, r) -> str:
     return f"{line} in {r['seconds']:.1f} s"
 
 
-# subcommand -> (module under posttrain.trainers, config class, trainer class, help)
-TRAINERS = {
-    "sft": ("sft", "SFTConfig", "SFTTrainer", "supervised fine-tuning (full or LoRA) from a YAML config"),
-    "dpo": ("dpo", "DPOConfig", "DPOTrainer", "direct preference optimisation (DPO family) from a YAML config"),
-    "rm": ("reward_model", "RMConfig", "RMTrainer", "reward model: a score head trained Bradley-Terry"),
-    "grpo": ("grpo", "GRPOConfig", "GRPOTrainer", "GRPO-family RL with reward functions from a YAML config"),
-    "ppo": ("ppo", "PPOConfig", "PPOTrainer", "PPO with a critic, GAE and KL-shaped rewards from a YAML config"),
-    "distill": ("distill", "DistillConfig", "DistillTrainer", "knowledge distillation of a teacher into a student"),
-}
-
-
 def _train(args) -> None:
-    import importlib
-
     from posttrain import config as C
     from posttrain.sharding import is_main_process
 
-    module, cfg_name, trainer_name, _ = TRAINERS[args.command]
-    mod = importlib.import_module(f"posttrain.trainers.{module}")
-    cfg_cls = getattr(C, cfg_name, None) or getattr(mod, cfg_name)
-    result = getattr(mod, trainer_name)(C.load(cfg_cls, args.config, args.overrides)).train()
+    cfg_cls, trainer_cls = trainer_classes(args.command)
+    result = trainer_cls(C.load(cfg_cls, args.config, args.overrides)).train()
     if result.get("finished") or not is_main_process():  # one process reports
         return
     print(_done(args.command, result))
@@ -125,6 +111,26 @@ def _report(args) -> None:
     print(f"report written to {write_report(args.run_dir)}")
 
 
+def _run(args) -> None:
+    from posttrain.pipeline import Pipeline
+    from posttrain.sharding import is_main_process
+
+    out = Pipeline.from_yaml(args.pipeline, args.overrides).run()
+    if is_main_process():
+        for st in out["stages"]:
+            r = st["result"]
+            line = _done(st["task"], r) if "first_loss" in r or st["task"] in ("grpo", "ppo") else \
+                f"[{st['task']}] done earlier"
+            print(f"[pipeline] {st['name']}: {line}; Hugging Face folder {st['hf']}")
+
+
+def _schema(args) -> None:
+    from posttrain.schema import write_schemas
+
+    for path in write_schemas(args.out):
+        print(path)
+
+
 def _demo(args) -> None:
     from posttrain.tasks import demo
 
@@ -168,6 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="PNG plots + one self-contained HTML page of a run folder's metrics")
     r.add_argument("run_dir", help="run folder written by a posttrain trainer (config.yaml, metrics.jsonl)")
     r.set_defaults(func=_report)
+    pr = sub.add_parser("run", help="a pipeline file: a chain of training stages (each stage's model the next "
+                        "one's input)")
+    pr.add_argument("pipeline", help="YAML file with run_dir, model, sharding, defaults and stages, e.g. "
+                    "configs/pipeline_tiny.yaml")
+    pr.add_argument("overrides", nargs="*", help="dotted overrides: run_dir=..., model.path=..., or "
+                    "STAGE.section.key=value, e.g. sft.train.steps=100")
+    pr.add_argument("--distributed", action="store_true", help="multi-process run, as for the trainers")
+    pr.set_defaults(func=_run)
+    sc = sub.add_parser("schema", help="JSON Schemas of every trainer's config and of pipeline files (for editors)")
+    sc.add_argument("--out", default="schemas", help="output folder (one <task>.schema.json each)")
+    sc.set_defaults(func=_schema)
     d = sub.add_parser("demo", help="run the built-in demo job on a tiny local model")
     d.add_argument("--out", default="runs/demo", help="output folder")
     d.add_argument("--quick", action="store_true", help="tiny step counts: the same stages in about a minute")

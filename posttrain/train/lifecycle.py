@@ -226,15 +226,8 @@ def prepare_run_dir(c) -> None:
     Every process checks (so all raise alike); process 0 alone writes, the others wait for it."""
     multi = jax.process_count() > 1
     saved = os.path.join(c.run_dir, "config.yaml")
-    if os.path.isfile(saved) and c.checkpoint.resume:
-        before = C.to_dict(C.load(type(c), saved))
-        now = C.to_dict(c)
-        before.pop("checkpoint", None)
-        now.pop("checkpoint", None)
-        if before != now:
-            diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
-            raise PosttrainError(f"{saved}: run_dir holds a run with a different config (sections {diff}); "
-                                 "use a new run_dir, or checkpoint.resume=false to start this one afresh")
+    if c.checkpoint.resume:
+        check_same_run(c)
     if multi:  # nobody still reads config.yaml when process 0 rewrites it
         multihost_utils.sync_global_devices("posttrain:run_dir checked")
     if sh.is_main_process():
@@ -249,6 +242,21 @@ def prepare_run_dir(c) -> None:
         C.save(c, saved)
     if multi:
         multihost_utils.sync_global_devices("posttrain:run_dir ready")
+
+
+def check_same_run(c) -> None:
+    """Raise unless `c.run_dir` is empty or holds a run of this same config (the checkpoint section aside)."""
+    saved = os.path.join(c.run_dir, "config.yaml")
+    if not os.path.isfile(saved):
+        return
+    before = C.to_dict(C.load(type(c), saved))
+    now = C.to_dict(c)
+    before.pop("checkpoint", None)
+    now.pop("checkpoint", None)
+    if before != now:
+        diff = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+        raise PosttrainError(f"{saved}: run_dir holds a run with a different config (sections {diff}); "
+                             "use a new run_dir, or checkpoint.resume=false to start this one afresh")
 
 
 def _print(*args) -> None:

@@ -1,0 +1,58 @@
+"""`posttrain schema`: the JSON Schemas accept every shipped config and reject what `config.load` rejects."""
+
+import glob
+import json
+import os
+
+import jsonschema
+import pytest
+import yaml
+
+from posttrain import cli
+from posttrain.trainers.sft import run_config_class
+
+TASK = {"SFTConfig": "sft", "DPOConfig": "dpo", "RMConfig": "rm", "GRPOConfig": "grpo", "PPOConfig": "ppo",
+        "DistillConfig": "distill"}
+
+
+@pytest.fixture(scope="module")
+def schemas(tmp_path_factory):
+    out = tmp_path_factory.mktemp("schemas")
+    assert cli.main(["schema", "--out", str(out)]) == 0
+    return {os.path.basename(p).split(".")[0]: json.load(open(p)) for p in glob.glob(f"{out}/*.schema.json")}
+
+
+def test_every_shipped_config_validates(schemas):
+    assert set(schemas) == {*TASK.values(), "pipeline"}
+    files = sorted(glob.glob("configs/*.yaml"))
+    assert len(files) >= 8
+    for path in files:
+        data = yaml.safe_load(open(path))
+        name = "pipeline" if "stages" in data else TASK[run_config_class(path).__name__]
+        jsonschema.validate(data, schemas[name])  # raises on any mismatch
+
+
+@pytest.mark.parametrize("change,what", [
+    (lambda d: d["optim"].update(lr_="x"), "Additional properties"),  # a typo'd key
+    (lambda d: d["data"].update(truncation="cut"), "is not one of"),  # not a Literal choice
+    (lambda d: d["train"].update(steps="many"), "is not of type 'integer'"),
+    (lambda d: d["data"].pop("train"), "'train' is a required property"),
+])
+def test_the_schema_rejects_what_the_loader_rejects(schemas, tmp_path, change, what):
+    data = yaml.safe_load(open("configs/sft_tiny.yaml"))
+    change(data)
+    with pytest.raises(jsonschema.ValidationError, match=what):
+        jsonschema.validate(data, schemas["sft"])
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert cli.main(["sft", "--config", str(path)]) == 2  # and posttrain itself refuses it too
+
+
+def test_pipeline_schema_checks_each_stage_with_its_trainer(schemas):
+    good = {"model": "demo-tiny", "stages": [{"task": "sft", "data": {"train": "a.jsonl"}},
+                                             {"task": "grpo", "grpo": {"num_generations": 4}}]}
+    jsonschema.validate(good, schemas["pipeline"])
+    bad = {"model": "demo-tiny", "stages": [{"task": "sft", "grpo": {"num_generations": 4}}]}  # not an SFT key
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schemas["pipeline"])
+    assert schemas["grpo"]["properties"]["grpo"]["properties"]["num_generations"]["description"]  # from the source
