@@ -25,7 +25,7 @@ def test_demo_command_trains_evaluates_and_exports(tmp_path, capsys):
     each scored on the held-out questions and exported; summary.json, the table and the report."""
     import json
 
-    from posttrain.models import from_pretrained
+    from posttrain.models import count_params, from_pretrained
 
     assert main(["demo", "--out", str(tmp_path), "--quick"]) == 0
     out = capsys.readouterr().out
@@ -36,12 +36,12 @@ def test_demo_command_trains_evaluates_and_exports(tmp_path, capsys):
     assert all(0.0 <= s["accuracy"] <= 1.0 and s["seconds"] > 0 for s in stages)
     assert [s["kl"] is None for s in stages] == [True, True, True, False] and stages[-1]["kl"] >= 0
     assert summary["total_seconds"] >= sum(s["seconds"] for s in stages) - 1
-    widths = {}
+    sizes = {}
     for s in stages:
         model = from_pretrained(str(tmp_path / s["stage"] / "hf"))
-        widths[s["stage"]] = model.cfg.embed_dim
+        sizes[s["stage"]] = count_params(model)
         assert model.cfg.vocab_size == 263
-    assert widths["distill"] < widths["dpo"] == widths["sft"]  # the student is smaller
+    assert sizes["distill"] < sizes["dpo"] == sizes["sft"]  # the student is smaller
     assert (tmp_path / "data" / "pairs.jsonl").exists()
     assert (tmp_path / "distill" / "report" / "report.html").exists()
 

@@ -210,7 +210,11 @@ PRESETS: dict[str, ModelConfig] = {
     "demo-tiny": ModelConfig(
         family="llama", vocab_size=263, embed_dim=128, num_layers=3, num_heads=4, num_kv_heads=4,
         head_dim=32, mlp_dim=512, max_position=512, rope=RopeConfig(theta=10_000.0)),
-    # Distillation in the tests and the demo: a 4-layer teacher and a 2-layer student of half its width.
+    # The demo's distillation student: demo-tiny with 2 layers instead of 3.
+    "demo-student": ModelConfig(
+        family="llama", vocab_size=263, embed_dim=128, num_layers=2, num_heads=4, num_kv_heads=4,
+        head_dim=32, mlp_dim=512, max_position=512, rope=RopeConfig(theta=10_000.0)),
+    # Distillation in the tests: a 4-layer teacher and a 2-layer student of half its width.
     "tiny-teacher": ModelConfig(
         family="llama", vocab_size=263, embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=4,
         head_dim=32, mlp_dim=512, max_position=512, rope=RopeConfig(theta=10_000.0)),
