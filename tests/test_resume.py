@@ -24,7 +24,8 @@ ARGS = ["model.preset=demo-tiny", f"data.train={DATA}", "data.max_length=32", "t
 
 
 def _run(kill_at, run_dir, *extra):
-    env = dict(os.environ, XLA_FLAGS="", PYTHONPATH=os.path.dirname(HERE))
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]  # one device
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), PYTHONPATH=os.path.dirname(HERE))
     cfg = os.path.join(os.path.dirname(run_dir), "empty.yaml")  # everything comes from the overrides
     open(cfg, "w").close()
     cmd = [sys.executable, os.path.join(HERE, "kill_worker.py"), str(kill_at), "--config", cfg,
