@@ -55,7 +55,6 @@ from fractions import Fraction
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from posttrain.errors import PosttrainError
-from posttrain.rewards.functions import safe_arithmetic
 
 
 @runtime_checkable
@@ -95,8 +94,9 @@ _OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lamb
         ast.Div: lambda a, b: a / b}
 
 
-def _extended(expr: str) -> Fraction:
-    """safe_arithmetic's grammar plus unary +/-, decimal literals and bounded integer powers."""
+def calculate(expr: str) -> Fraction:
+    """The exact value of an arithmetic expression (safe_arithmetic's grammar plus unary +/-, decimal
+    literals and bounded integer powers); ValueError (with the reason) for anything else."""
     if not isinstance(expr, str) or len(expr) > _MAX_CHARS or not _CALC_CHARS.fullmatch(expr):
         raise ValueError("not an arithmetic expression of numbers, + - * / ** and parentheses")
     source = expr.strip()
@@ -135,15 +135,6 @@ def _extended(expr: str) -> Fraction:
         return value(tree.body)
     except RecursionError:
         raise ValueError("the expression is nested too deeply") from None
-
-
-def calculate(expr: str) -> Fraction:
-    """The exact value of an arithmetic expression; ValueError (with the reason) for anything else.
-    `safe_arithmetic` answers its own grammar; the extension answers the rest."""
-    try:
-        return safe_arithmetic(expr)[0]
-    except ValueError:
-        return _extended(expr)
 
 
 def format_number(value: Fraction) -> str:
