@@ -6,7 +6,9 @@ from the model itself (`nnx.eval_shape`: nothing is allocated) and each tensor's
 by the product of the mesh axes that the preset's rules shard it over (the exact placement
 `posttrain.sharding` gives it, indivisible dimensions included); a mixture-of-experts model counts
 every expert (all are held; the `expert` axis splits them over fsdp) and the activations of the
-k experts each token is routed to. `format_plan` renders the dict
+k experts each token is routed to. Per-layer shapes (Gemma 4: global layers' own head size and kv
+heads, KV-shared layers without a cache of their own, double-wide MLPs, per-layer inputs, experts
+beside the dense MLP) are counted layer by layer. `format_plan` renders the dict
 and warns when the total exceeds a device's memory.
 
 What it is not: XLA's buffer assignment. Parameters, gradients and optimizer state are exact;
@@ -74,32 +76,49 @@ def _activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, t: int, remat: 
     rows: sequences on this device; t: the tensor-parallel split of heads, mlp and vocab.
     Per layer and token (compute dtype): the residual input, two norm outputs, the attention
     output projection and residual (5 D); qkv, rotated q and k, attention output
-    ((K (G + 2) + 2 N + K) H / t); gate/up, activation and product (4 F / t; an MoE layer: k times
-    its expert width, plus the k dispatched inputs and outputs and the router logits); attention: on the
+    ((K (G + 2) + 2 N + K) H / t, with that layer's K, H and projections); gate/up, activation and
+    product (4 F / t; an MoE layer: k times its expert width, plus the k dispatched inputs and outputs
+    and the router logits; both beside a dense MLP); Gemma 4 per-layer inputs (3 P + D); attention: on the
     dense path (short rows, models/attention.py `choose`) the float32 scores and compute-dtype
     probabilities over seq_len keys (N seq_len / t each), on the blockwise path only a float32
     log-sum-exp per query and head (N / t): its tiles are recomputed in the backward pass.
     With remat only each layer's input (D) is kept, plus one layer's full set during its backward.
     The loss head adds float32 logits and their gradient (2 V / t per token) and the embeddings.
     """
-    D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    D, N = cfg.embed_dim, cfg.num_heads
     cb = jnp.dtype(cfg.dtype).itemsize
     tokens = rows * seq_len
-    heads = _split((K * (cfg.groups + 2) + 2 * N + K) * H, t)
     dense = choose("cpu", T=seq_len, S=seq_len, branches=False, softcap=False, cached=False) == "dense"
     attn = _split(N * seq_len, t) * (4 + cb) if dense else _split(N, t) * 4
-    per_layer = [(5 * D + heads + _mlp_activations(cfg, i, t)) * cb + attn for i in range(cfg.num_layers)]
+    ple = 3 * cfg.per_layer_dim + D if cfg.per_layer_dim else 0
+    per_layer = [(5 * D + _heads(cfg, i, t) + _mlp_activations(cfg, i, t) + ple) * cb + attn
+                 for i in range(cfg.num_layers)]
     layers = cfg.num_layers * D * cb + max(per_layer) if remat else sum(per_layer)
     head = 2 * _split(cfg.vocab_size, t) * 4 + D * cb
     return tokens * (layers + head)
 
 
+def _heads(cfg: ModelConfig, i: int, t: int) -> int:
+    """Per-token attention activations of layer i: projections, rotated q (and k), output."""
+    K, H, c = cfg.layer_kv_heads(i), cfg.layer_head_dim(i), cfg.layer_kv_slots(i)
+    return _split((K * (cfg.num_heads // K + c) + 2 * cfg.num_heads + (K if c else 0)) * H, t)
+
+
 def _mlp_activations(cfg: ModelConfig, i: int, t: int) -> int:
     """Per-token MLP activations of layer i (compute-dtype elements), tensor split t."""
+    dense = _split(4 * cfg.layer_mlp_dim(i), t)
     if not cfg.is_moe_layer(i):
-        return _split(4 * cfg.mlp_dim, t)
+        return dense
     k = cfg.experts_per_token
-    return _split(4 * k * cfg.expert_mlp_dim, t) + 2 * k * cfg.embed_dim + cfg.num_experts
+    experts = _split(4 * k * cfg.expert_mlp_dim, t) + 2 * k * cfg.embed_dim + cfg.num_experts
+    return experts + (dense + 3 * cfg.embed_dim if cfg.moe_beside_mlp else 0)  # Gemma 4: + its own norms
+
+
+def _kv_bytes(cfg: ModelConfig, i: int, rules: dict, sizes: dict) -> int:
+    """One device's KV-cache bytes per cached token of layer i (KV-shared layers have none: not asked)."""
+    K = cfg.layer_kv_heads(i)
+    split = sh.spec_axis_product(sh.logical_to_spec(("kv_heads",), rules, shape=(K,), axis_sizes=sizes), sizes)
+    return 2 * K * cfg.layer_head_dim(i) * jnp.dtype(cfg.dtype).itemsize // split
 
 
 def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mapping[str, int], preset: str,
@@ -132,10 +151,8 @@ def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mappin
     batch_ways = sh.spec_axis_product(sh.logical_to_spec(("batch",), rules, axis_sizes=sizes), sizes)
     tensor = sh.spec_axis_product(sh.logical_to_spec(("mlp",), rules, axis_sizes=sizes), sizes)
     rows = _split(batch, batch_ways)
-    kv_split = sh.spec_axis_product(
-        sh.logical_to_spec(("kv_heads",), rules, shape=(model_cfg.num_kv_heads,), axis_sizes=sizes), sizes)
-    kv = (2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * jnp.dtype(model_cfg.dtype).itemsize
-          * _split(kv_cache_tokens, batch_ways) // kv_split)
+    kv = sum(_kv_bytes(model_cfg, i, rules, sizes) for i in range(model_cfg.cache_layers)) * _split(
+        kv_cache_tokens, batch_ways)
     out = {
         "parameters": p_bytes,
         "optimizer": optimizer_slots * t_bytes,

@@ -1,9 +1,12 @@
 """ModelConfig: every architectural choice of the one decoder-only Transformer, and named presets.
 
-Families (Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3, and the mixture-of-experts
-Qwen3-MoE and Mixtral) differ only in the fields below; there is no second model class. A
-mixture-of-experts model (num_experts > 0) swaps the gated MLP of its sparse layers for the routed
-block of `models/moe.py`; `dense_layers` keep the dense MLP of width `mlp_dim`. `hf.py`
+Families (Llama 3.x, Qwen2/2.5, Qwen3, Mistral, Gemma, Gemma 2, Gemma 3, Gemma 4 text, and the
+mixture-of-experts Qwen3-MoE and Mixtral) differ only in the fields below; there is no second model
+class. A mixture-of-experts model (num_experts > 0) swaps the gated MLP of its sparse layers for the
+routed block of `models/moe.py`; `dense_layers` keep the dense MLP of width `mlp_dim` (Gemma 4 runs
+the routed block beside the dense MLP instead: `moe_beside_mlp`). Gemma 4's per-layer variants
+(global layers with their own head size and kv heads, keys-as-values, KV-shared layers, per-layer
+input embeddings) are fields too, read per layer through the `layer_*` methods. `hf.py`
 translates a Hugging Face config.json into a ModelConfig; `PRESETS` holds the published shapes
 (used for memory planning and `eval_shape` parameter counts, never downloaded). Numbers are from
 each model's published config.json.
@@ -22,16 +25,17 @@ class RopeConfig:
     """Rotary embedding of one attention kind (HF `rope_parameters`)."""
 
     theta: float = 10_000.0  # base frequency
-    kind: str = "default"  # "default" | "linear" | "llama3"
-    factor: float = 1.0  # linear / llama3 scaling factor
+    kind: str = "default"  # "default" | "linear" | "llama3" | "proportional" (Gemma 4 global layers)
+    factor: float = 1.0  # linear / llama3 / proportional scaling factor
+    partial: float = 1.0  # proportional only: share of the head's dimension pairs that rotate (the rest do not)
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position: int = 8192  # llama3 only: pre-training context length
 
     def __post_init__(self):
-        if self.kind not in ("default", "linear", "llama3"):
+        if self.kind not in ("default", "linear", "llama3", "proportional"):
             raise PosttrainError(
-                f"unsupported rope type {self.kind!r}; posttrain supports default, linear and llama3"
+                f"unsupported rope type {self.kind!r}; posttrain supports default, linear, llama3 and proportional"
             )
 
 
@@ -39,7 +43,7 @@ class RopeConfig:
 class ModelConfig:
     """Shape and numerics of a decoder-only Transformer (HF-style names)."""
 
-    family: str = "llama"  # informational: llama | qwen2 | qwen3 | mistral | gemma[2|3] | qwen3_moe | mixtral
+    family: str = "llama"  # informational: llama | qwen2 | qwen3 | mistral | gemma[2|3|4] | qwen3_moe | mixtral
     vocab_size: int  # tokens
     embed_dim: int  # hidden size D
     num_layers: int
@@ -74,6 +78,19 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # layer indices that keep the dense MLP (Qwen3-MoE mlp_only_layers)
     router_aux_loss_coef: float = 0.001  # load-balancing loss weight added by the train step (HF's name)
     router_z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE: mean logsumexp(router logits)^2)
+    moe_beside_mlp: bool = False  # Gemma 4: every layer keeps its dense MLP and adds the routed block beside it
+    #   (own norms; the router normalises its input and learns an input scale and a per-expert weight scale)
+    # Gemma 4 per-layer variants (all off by default; see the layer_* methods).
+    global_head_dim: Optional[int] = None  # head size of full-attention layers; None = head_dim
+    global_kv_heads: Optional[int] = None  # kv heads of full-attention layers; None = num_kv_heads
+    k_eq_v: bool = False  # full-attention layers: values are the raw key projection (no v weights)
+    v_norm: bool = False  # RMSNorm without a scale on the values, per head
+    kv_shared_layers: int = 0  # the last n layers reuse the keys/values (and cache) of the last earlier layer
+    #   of their type: no k/v weights of their own, no cache of their own
+    double_wide_mlp: bool = False  # KV-shared layers' dense MLP is 2 * mlp_dim wide
+    per_layer_dim: int = 0  # P, width of the per-layer input embeddings added after each layer's MLP (0 = none)
+    per_layer_vocab: int = 0  # tokens of the per-layer embedding table; 0 = vocab_size
+    layer_scalar: bool = False  # each layer's output is multiplied by a loaded (never trained) scalar
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -111,9 +128,21 @@ class ModelConfig:
                 raise PosttrainError(f"model config: dense_layers {bad} are not layer indices 0..{self.num_layers - 1}")
             if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
                 raise PosttrainError("model config: router_aux_loss_coef and router_z_loss_coef must be >= 0")
+        if self.global_kv_heads and self.num_heads % self.global_kv_heads:
+            raise PosttrainError(f"model config: num_heads ({self.num_heads}) must be a multiple of global_kv_heads "
+                                 f"({self.global_kv_heads})")
+        if not 0 <= self.kv_shared_layers < self.num_layers:
+            raise PosttrainError(f"model config: kv_shared_layers must be in 0..{self.num_layers - 1} (fewer than "
+                                 f"num_layers), got {self.kv_shared_layers}")
+        for i in range(self.cache_layers, self.num_layers):
+            if self.kv_source(i) is None:
+                raise PosttrainError(f"model config: KV-shared layer {i} ({self.layer_type(i)}) has no earlier "
+                                     f"{self.layer_type(i)} layer to share with; lower kv_shared_layers")
+        if self.per_layer_dim < 0 or self.per_layer_vocab < 0:
+            raise PosttrainError("model config: per_layer_dim and per_layer_vocab must be >= 0")
 
     def is_moe_layer(self, i: int) -> bool:
-        """Whether layer i routes over experts (models/moe.py) instead of the dense MLP."""
+        """Whether layer i routes over experts (models/moe.py): instead of its dense MLP, or beside it."""
         return self.num_experts > 0 and i not in self.dense_layers
 
     @property
@@ -138,6 +167,36 @@ class ModelConfig:
             return self.rope_local
         return self.rope
 
+    def layer_head_dim(self, i: int) -> int:
+        """H of layer i: full-attention layers may have their own (Gemma 4 global_head_dim)."""
+        return (self.global_head_dim or self.head_dim) if self.layer_type(i) == "full" else self.head_dim
+
+    def layer_kv_heads(self, i: int) -> int:
+        return (self.global_kv_heads or self.num_kv_heads) if self.layer_type(i) == "full" else self.num_kv_heads
+
+    def layer_k_eq_v(self, i: int) -> bool:
+        """Whether layer i's values are its raw key projection (Gemma 4 attention_k_eq_v: full layers only)."""
+        return self.k_eq_v and self.layer_type(i) == "full"
+
+    def layer_kv_slots(self, i: int) -> int:
+        """Projections layer i makes after its queries: 2 (k, v), 1 (k: keys are values), 0 (KV-shared layer)."""
+        return 0 if self.kv_source(i) is not None else 1 if self.layer_k_eq_v(i) else 2
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers with keys, values and a KV cache of their own: all but the last kv_shared_layers."""
+        return self.num_layers - self.kv_shared_layers
+
+    def kv_source(self, i: int) -> Optional[int]:
+        """The layer whose keys and values layer i attends (the last non-shared layer of its type), or None."""
+        if i < self.cache_layers:
+            return None
+        return next((j for j in reversed(range(self.cache_layers)) if self.layer_type(j) == self.layer_type(i)), None)
+
+    def layer_mlp_dim(self, i: int) -> int:
+        """Dense MLP width of layer i (Gemma 4 double_wide_mlp: KV-shared layers are twice as wide)."""
+        return 2 * self.mlp_dim if self.double_wide_mlp and i >= self.cache_layers else self.mlp_dim
+
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
@@ -159,6 +218,14 @@ _LLAMA32_ROPE = dataclasses.replace(_LLAMA31_ROPE, factor=32.0)
 _GEMMA3 = dict(family="gemma3", norm_eps=1e-6, norm_unit_offset=True, activation="gelu_tanh", qk_norm=True,
                sandwich_norm=True, embed_scale=True, tie_embeddings=True, head_dim=256,
                rope_local=RopeConfig(theta=10_000.0), max_position=131_072)
+
+# Gemma 4 text: plain (w) norms, values normalised, unit query scale, proportional RoPE (a quarter of the
+# pairs rotate) on the global layers, which have 512-wide heads. Shapes from the published config.json
+# text_config of google/gemma-4-{E2B,E4B,26B-A4B,31B} (not shipped with transformers).
+_GEMMA4 = dict(family="gemma4", vocab_size=262_144, norm_eps=1e-6, activation="gelu_tanh", qk_norm=True, v_norm=True,
+               sandwich_norm=True, embed_scale=True, tie_embeddings=True, head_dim=256, global_head_dim=512,
+               query_scale=1.0, final_softcap=30.0, layer_scalar=True, rope_local=RopeConfig(theta=10_000.0),
+               rope=RopeConfig(theta=1_000_000.0, kind="proportional", partial=0.25))
 
 PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(
@@ -196,6 +263,22 @@ PRESETS: dict[str, ModelConfig] = {
         **_GEMMA3, vocab_size=262_208, embed_dim=2560, num_layers=34, num_heads=8, num_kv_heads=4,
         mlp_dim=10_240, query_scale=256 ** -0.5, sliding_window=1024, layer_types=_gemma3_types(34),
         rope=RopeConfig(theta=1_000_000.0, kind="linear", factor=8.0)),
+    # Gemma 4: the "effective" E2B / E4B sizes (per-layer input embeddings, KV-shared last layers), the
+    # 26B-A4B mixture of experts (128 experts of width 704, top 8, beside a dense MLP) and the dense 31B.
+    "gemma4-e2b": ModelConfig(
+        **_GEMMA4, embed_dim=1536, num_layers=35, num_heads=8, num_kv_heads=1, mlp_dim=6144, max_position=131_072,
+        sliding_window=512, layer_types=_gemma3_types(35, every=5), per_layer_dim=256, kv_shared_layers=20,
+        double_wide_mlp=True),
+    "gemma4-e4b": ModelConfig(
+        **_GEMMA4, embed_dim=2560, num_layers=42, num_heads=8, num_kv_heads=2, mlp_dim=10_240, max_position=131_072,
+        sliding_window=512, layer_types=_gemma3_types(42), per_layer_dim=256, kv_shared_layers=18),
+    "gemma4-26b-a4b": ModelConfig(
+        **_GEMMA4, embed_dim=2816, num_layers=30, num_heads=16, num_kv_heads=8, global_kv_heads=2, k_eq_v=True,
+        mlp_dim=2112, max_position=262_144, sliding_window=1024, layer_types=_gemma3_types(30), num_experts=128,
+        experts_per_token=8, expert_mlp_dim=704, moe_beside_mlp=True, router_aux_loss_coef=0.0),
+    "gemma4-31b": ModelConfig(
+        **_GEMMA4, embed_dim=5376, num_layers=60, num_heads=32, num_kv_heads=16, global_kv_heads=4, k_eq_v=True,
+        mlp_dim=21_504, max_position=262_144, sliding_window=1024, layer_types=_gemma3_types(60)),
     # Mixture of experts: Qwen3-30B-A3B (128 experts of width 768, top 8) and Mixtral 8x7B (8 of 14336, top 2).
     "qwen3-30b-a3b": ModelConfig(
         family="qwen3_moe", vocab_size=151_936, embed_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4,

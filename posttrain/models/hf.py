@@ -12,6 +12,10 @@ Sequence classifiers (reward models): a model with a score head (`models/heads.p
 `lm_head`, `id2label` giving num_labels), which `AutoModelForSequenceClassification` loads;
 `from_pretrained(path, head="score")` reads such a folder (ours or transformers') back.
 
+Gemma 4 (`models/gemma4.py` holds its fields and extra names): `gemma4_text` folders load like any
+other; a multimodal `gemma4` folder loads its text model only when asked (`text_only=True`), since
+its vision and audio towers are not supported; it then exports as a `gemma4_text` folder.
+
 What it is not: a downloader. Paths are local folders; nothing is fetched from a hub.
 Fused posttrain layouts (qkv, gate/up) are split back into HF names on export.
 """
@@ -32,10 +36,13 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from posttrain.errors import PosttrainError
+from posttrain.models import gemma4
 from posttrain.models.config import ModelConfig, RopeConfig
+from posttrain.models.layers import Buffer
 from posttrain.models.transformer import Transformer
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "qwen3_moe", "mixtral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_moe",
+             "mixtral")
 MOE = ("qwen3_moe", "mixtral")  # mixture-of-experts families (models/moe.py)
 
 # ----------------------------------------------------------------------------- config
@@ -54,7 +61,11 @@ def _rope(d: Optional[dict], default_theta: float = 10_000.0) -> RopeConfig:
                           low_freq_factor=float(d["low_freq_factor"]),
                           high_freq_factor=float(d["high_freq_factor"]),
                           original_max_position=int(d["original_max_position_embeddings"]))
-    raise PosttrainError(f"config.json: rope type {kind!r} is not supported (default, linear, llama3 are)")
+    if kind == "proportional":  # Gemma 4 global layers
+        return RopeConfig(theta=theta, kind="proportional", factor=float(d.get("factor", 1.0)),
+                          partial=float(d.get("partial_rotary_factor", 1.0)))
+    raise PosttrainError(f"config.json: rope type {kind!r} is not supported (default, linear, llama3, proportional "
+                         "are)")
 
 
 def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
@@ -77,7 +88,7 @@ def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
         mlp_dim=hf.intermediate_size, max_position=getattr(hf, "max_position_embeddings", 8192),
         norm_eps=hf.rms_norm_eps, tie_embeddings=bool(getattr(hf, "tie_word_embeddings", gemma)),
     )
-    if mt == "gemma3_text":
+    if mt in ("gemma3_text", "gemma4_text"):
         kw["rope"] = _rope(rp.get("full_attention"))
         kw["rope_local"] = _rope(rp.get("sliding_attention"))
     else:
@@ -93,9 +104,11 @@ def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
                   attn_softcap=getattr(hf, "attn_logit_softcapping", None),
                   final_softcap=getattr(hf, "final_logit_softcapping", None))
     kw["qkv_bias"] = mt == "qwen2"
-    kw["qk_norm"] = mt in ("qwen3", "gemma3_text", "qwen3_moe")
+    kw["qk_norm"] = mt in ("qwen3", "gemma3_text", "gemma4_text", "qwen3_moe")
     if mt in MOE:
         kw.update(_moe_from_hf(hf, mt, where))
+    if mt == "gemma4_text":
+        kw.update(gemma4.config_fields(hf, where))
     types = getattr(hf, "layer_types", None)
     window = getattr(hf, "sliding_window", None)
     if types and "sliding_attention" in types:
@@ -127,14 +140,19 @@ def _moe_from_hf(hf, mt: str, where: str) -> dict:
 
 def config_to_hf(cfg: ModelConfig, **extra) -> dict:
     """A transformers config dict (model_type + fields) for a ModelConfig."""
-    mt = {"gemma3": "gemma3_text"}.get(cfg.family, cfg.family)
+    mt = _text_type(cfg.family)
     if mt not in SUPPORTED:
         raise PosttrainError(f"cannot export family {cfg.family!r}; supported: {SUPPORTED}")
+    only = [k for k in gemma4.GEMMA4_ONLY if mt != "gemma4_text" and getattr(cfg, k)]
+    if only:
+        raise PosttrainError(f"cannot export family {cfg.family!r} with {', '.join(only)} set: Gemma 4 fields")
 
     def rope(r: RopeConfig) -> dict:
         d = {"rope_type": r.kind, "rope_theta": r.theta}
-        if r.kind == "linear":
+        if r.kind == "linear" or (r.kind == "proportional" and r.factor != 1.0):
             d["factor"] = r.factor
+        if r.kind == "proportional":
+            d["partial_rotary_factor"] = r.partial
         if r.kind == "llama3":
             d.update(factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
                      original_max_position_embeddings=r.original_max_position)
@@ -148,7 +166,7 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
              hidden_act="silu" if cfg.activation == "silu" else "gelu_pytorch_tanh")
     if mt.startswith("gemma"):
         d["hidden_activation"] = d["hidden_act"]
-    if mt == "gemma3_text":
+    if mt in ("gemma3_text", "gemma4_text"):
         d["rope_parameters"] = {"full_attention": rope(cfg.rope),
                                 "sliding_attention": rope(cfg.rope_local or cfg.rope)}
     else:
@@ -157,13 +175,15 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
         scalar = (cfg.query_scale or cfg.head_dim ** -0.5) ** -2
         d.update(query_pre_attn_scalar=int(round(scalar)) if abs(scalar - round(scalar)) < 1e-6 else scalar,
                  attn_logit_softcapping=cfg.attn_softcap, final_logit_softcapping=cfg.final_softcap)
-    if cfg.num_experts or mt in MOE:
+    if mt == "gemma4_text":
+        d.update(gemma4.config_to_hf(cfg))
+    elif cfg.num_experts or mt in MOE:
         d.update(_moe_to_hf(cfg, mt))
     if cfg.sliding_window:
         d["sliding_window"] = cfg.sliding_window
         if mt in ("qwen2", "qwen3", "qwen3_moe"):
             d["use_sliding_window"] = True
-    if cfg.layer_types or mt in ("qwen2", "qwen3", "gemma2", "gemma3_text"):
+    if cfg.layer_types or mt in ("qwen2", "qwen3", "gemma2", "gemma3_text", "gemma4_text"):
         d["layer_types"] = [("sliding_attention" if cfg.layer_type(i) == "sliding" else "full_attention")
                             for i in range(cfg.num_layers)]
     d["dtype"] = cfg.param_dtype
@@ -190,7 +210,8 @@ def _moe_to_hf(cfg: ModelConfig, mt: str) -> dict:
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
-         "gemma3_text": "Gemma3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+         "gemma3_text": "Gemma3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+         "mixtral": "MixtralForCausalLM"}
 # transformers' sequence-classification class of each family (gemma3_text: the text-only one).
 _CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
              "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
@@ -198,6 +219,11 @@ _CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequen
              "gemma3_text": "Gemma3TextForSequenceClassification",
              "qwen3_moe": "Qwen3MoeForSequenceClassification", "mixtral": "MixtralForSequenceClassification"}
 HEADS = (None, "score")
+
+
+def _text_type(family: str) -> str:
+    """The transformers model_type of a family (Gemma 3 and 4 export their text-only model types)."""
+    return {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}.get(family, family)
 
 # ----------------------------------------------------------------------------- weight names
 # Each entry: posttrain path -> (HF keys, hf arrays -> posttrain array, posttrain array -> hf arrays[, alternative
@@ -228,37 +254,45 @@ def _expert_map(m: dict, cfg: ModelConfig, i: int, p: str) -> None:
         ([fused + "down_proj"], lambda w: w.transpose(0, 2, 1)))
 
 
-def _weight_map(cfg: ModelConfig, head: Optional[str] = None) -> dict[tuple, tuple[list[str], Callable, Callable]]:
-    """head=None: the causal LM (lm_head unless tied); "score": a sequence classifier (score, no lm_head)."""
-    D, K, G, H = cfg.embed_dim, cfg.num_kv_heads, cfg.groups, cfg.head_dim
+def _attn_map(m: dict, cfg: ModelConfig, i: int, a: str) -> None:
+    """Layer i's attention: q/k/v (k/v only where the layer has them: `Attention.kv_slots`) <-> fused qkv, o."""
+    D, K, H = cfg.embed_dim, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
+    G = cfg.num_heads // K
+    c = cfg.layer_kv_slots(i)
+    L = ("layers", i, "attn")
+    m[L + ("qkv",)] = (
+        [a + n + "_proj.weight" for n in "qkv"[:1 + c]],
+        lambda q, *kv: np.concatenate([q.T.reshape(D, K, G, H)] + [w.T.reshape(D, K, 1, H) for w in kv], axis=2),
+        lambda w: [w[:, :, :G].reshape(D, K * G * H).T] + [w[:, :, G + j].reshape(D, K * H).T for j in range(c)])
+    if cfg.qkv_bias:
+        m[L + ("qkv_bias",)] = (
+            [a + n + "_proj.bias" for n in "qkv"[:1 + c]],
+            lambda q, *kv: np.concatenate([q.reshape(K, G, H)] + [b.reshape(K, 1, H) for b in kv], 1),
+            lambda b: [b[:, :G].reshape(-1)] + [b[:, G + j].reshape(-1) for j in range(c)])
+    m[L + ("o",)] = ([a + "o_proj.weight"], lambda w: w.T.reshape(K, G, H, D), lambda w: [w.reshape(K * G * H, D).T])
+
+
+def _weight_map(cfg: ModelConfig, head: Optional[str] = None,
+                prefix: str = "model.") -> dict[tuple, tuple[list[str], Callable, Callable]]:
+    """head=None: the causal LM (lm_head unless tied); "score": a sequence classifier (score, no lm_head).
+    prefix: where the backbone's weights live (a multimodal Gemma 4 folder: `model.language_model.`)."""
     gemma_sandwich = cfg.sandwich_norm
     ident = (lambda a: a, lambda a: [a])
-    m: dict = {("embed",): (["model.embed_tokens.weight"], *ident),
-               ("final_norm", "scale"): (["model.norm.weight"], *ident)}
+    m: dict = {("embed",): ([prefix + "embed_tokens.weight"], *ident),
+               ("final_norm", "scale"): ([prefix + "norm.weight"], *ident)}
     if head == "score":  # HF Linear(D, num_labels, bias=False): weight [num_labels, D]
         m[("score",)] = (["score.weight"], lambda w: w.T, lambda a: [a.T])
     elif not cfg.tie_embeddings:
         m[("lm_head",)] = (["lm_head.weight"], lambda w: w.T, lambda a: [a.T])
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+        p = f"{prefix}layers.{i}."
         a = p + "self_attn."
-        m[("layers", i, "attn", "qkv")] = (
-            [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
-            lambda q, k, v: np.concatenate([q.T.reshape(D, K, G, H), k.T.reshape(D, K, 1, H),
-                                            v.T.reshape(D, K, 1, H)], axis=2),
-            lambda w: [w[:, :, :G].reshape(D, K * G * H).T, w[:, :, G].reshape(D, K * H).T,
-                       w[:, :, G + 1].reshape(D, K * H).T])
-        if cfg.qkv_bias:
-            m[("layers", i, "attn", "qkv_bias")] = (
-                [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"],
-                lambda q, k, v: np.concatenate([q.reshape(K, G, H), k.reshape(K, 1, H), v.reshape(K, 1, H)], 1),
-                lambda b: [b[:, :G].reshape(-1), b[:, G].reshape(-1), b[:, G + 1].reshape(-1)])
-        m[("layers", i, "attn", "o")] = ([a + "o_proj.weight"], lambda w: w.T.reshape(K, G, H, D),
-                                         lambda w: [w.reshape(K * G * H, D).T])
+        _attn_map(m, cfg, i, a)
         if cfg.qk_norm:
             m[("layers", i, "attn", "q_norm", "scale")] = ([a + "q_norm.weight"], *ident)
-            m[("layers", i, "attn", "k_norm", "scale")] = ([a + "k_norm.weight"], *ident)
-        if cfg.is_moe_layer(i):
+            if cfg.kv_source(i) is None:  # a KV-shared layer has no k
+                m[("layers", i, "attn", "k_norm", "scale")] = ([a + "k_norm.weight"], *ident)
+        if cfg.is_moe_layer(i) and not cfg.moe_beside_mlp:
             _expert_map(m, cfg, i, p)
         else:
             m[("layers", i, "mlp", "gate_up")] = (
@@ -272,6 +306,7 @@ def _weight_map(cfg: ModelConfig, head: Optional[str] = None) -> dict[tuple, tup
             m[("layers", i, "post_mlp_norm", "scale")] = ([p + "post_feedforward_layernorm.weight"], *ident)
         else:
             m[("layers", i, "mlp_norm", "scale")] = ([p + "post_attention_layernorm.weight"], *ident)
+    gemma4.weight_names(m, cfg, prefix)
     return m
 
 
@@ -320,8 +355,13 @@ def _tensor_files(path: str) -> dict[str, str]:
 # ----------------------------------------------------------------------------- public API
 
 
-def load_config(path: str) -> ModelConfig:
-    """ModelConfig of a HF folder (config.json only)."""
+def load_config(path: str, text_only: bool = False) -> ModelConfig:
+    """ModelConfig of a HF folder (config.json only); text_only: the text model of a multimodal `gemma4` folder."""
+    return _read_config(path, text_only)[0]
+
+
+def _read_config(path: str, text_only: bool) -> tuple[ModelConfig, str]:
+    """(ModelConfig, prefix of the backbone's weight names)."""
     if not os.path.isdir(path):
         raise PosttrainError(f"{path}: model folder does not exist; pass a local Hugging Face checkpoint folder")
     cfg_file = os.path.join(path, "config.json")
@@ -333,19 +373,30 @@ def load_config(path: str) -> ModelConfig:
             raw = json.load(fh)
     except ValueError as e:
         raise PosttrainError(f"{cfg_file}: invalid JSON ({e})") from None
-    if raw.get("model_type") not in SUPPORTED:
+    mt = raw.get("model_type")
+    multimodal = mt == gemma4.MULTIMODAL
+    if multimodal and not text_only:
+        raise gemma4.multimodal_error(cfg_file, raw)
+    if mt not in SUPPORTED and not multimodal:
         raise PosttrainError(
-            f"{cfg_file}: model_type {raw.get('model_type')!r} (architectures {raw.get('architectures')}) is not "
+            f"{cfg_file}: model_type {mt!r} (architectures {raw.get('architectures')}) is not "
             f"supported; posttrain loads {', '.join(SUPPORTED)}")
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(path, local_files_only=True)
-    return config_from_hf(hf, cfg_file)
+    if not multimodal:
+        return config_from_hf(hf, cfg_file), "model."
+    # The text model's lm_head is tied (or not) by the outer config, as in Gemma4ForConditionalGeneration.
+    cfg = config_from_hf(hf.text_config, f"{cfg_file} text_config")
+    return cfg.replace(tie_embeddings=bool(hf.tie_word_embeddings)), gemma4.TEXT_PREFIX
 
 
 def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype: Optional[str] = None,
-                    rules: Optional[dict] = None, head: Optional[str] = None):
+                    rules: Optional[dict] = None, head: Optional[str] = None, text_only: bool = False):
     """Load a HF checkpoint folder into a Transformer (parameters in `dtype`).
+
+    text_only: load the text model of a multimodal `gemma4` folder (its vision and audio towers are
+    not supported; without this flag such a folder is an error saying so).
 
     With a `mesh`, each tensor is placed directly with its logical sharding under `rules`
     (default: the fsdp_tp rules), so the model never lands whole on one device.
@@ -353,7 +404,8 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     head (`models/heads.py`), no LM head."""
     if head not in HEADS:
         raise PosttrainError(f"from_pretrained: head={head!r}; use one of {HEADS}")
-    cfg = load_config(path).replace(param_dtype=dtype, dtype=compute_dtype or dtype)
+    cfg, prefix = _read_config(path, text_only)
+    cfg = cfg.replace(param_dtype=dtype, dtype=compute_dtype or dtype)
 
     def build():
         model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -372,7 +424,7 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     files = _tensor_files(path)
     checked: set = set()
     handles: dict = {}
-    wmap = _weight_map(cfg, head)
+    wmap = _weight_map(cfg, head, prefix)
     flat = dict(nnx.to_flat_state(state))
     try:
         for key, var in flat.items():
@@ -425,13 +477,16 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
     A model with a score head (`models/heads.py`) is written as `<Family>ForSequenceClassification`
     (pass a tokenizer, or pad_token_id=..., so transformers can find each row's last token)."""
     cfg = model.cfg
-    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, Buffer))))
     out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
     head = "score" if ("score",) in flat else None
     if head == "score":
         labels = range(flat[("score",)].shape[-1])
-        mt = {"gemma3": "gemma3_text"}.get(cfg.family, cfg.family)
-        config_extra = {"architectures": [_CLS_ARCH.get(mt, mt)], "id2label": {str(i): f"LABEL_{i}" for i in labels},
+        mt = _text_type(cfg.family)
+        if mt not in _CLS_ARCH:
+            raise PosttrainError(f"cannot export a {cfg.family} model with a score head: transformers has no "
+                                 f"{cfg.family} sequence classifier")
+        config_extra = {"architectures": [_CLS_ARCH[mt]], "id2label": {str(i): f"LABEL_{i}" for i in labels},
                         "label2id": {f"LABEL_{i}": i for i in labels}, **config_extra}
     tensors: dict[str, np.ndarray] = {}
     for key, (names, _, save, *_alt) in _weight_map(cfg, head).items():

@@ -1,16 +1,19 @@
 """Transformer building blocks: RMSNorm, RoPE, grouped-query attention with a KV cache, gated MLP
-(the mixture-of-experts block that replaces it on sparse layers is in moe.py).
+(the mixture-of-experts block that replaces it on sparse layers, or runs beside it, is in moe.py).
 
 What it is: the numerics of the decoder layer, written to match Hugging Face transformers
-(float32 RMSNorm, rotate-half RoPE with default/linear/llama3 scaling, Gemma's (1 + w) norms,
-score and logit soft-capping, sliding windows). What it is not: a model; `transformer.py` wires
-these together from a ModelConfig.
+(float32 RMSNorm, rotate-half RoPE with default/linear/llama3/proportional scaling, Gemma's (1 + w)
+norms, score and logit soft-capping, sliding windows), with Gemma 4's per-layer variants: a layer's
+own head size and kv heads, keys as values, KV-shared layers that attend an earlier layer's keys and
+values, value norms, per-layer input embeddings and a loaded layer scalar. What it is not: a model;
+`transformer.py` wires these together from a ModelConfig.
 
 Einsum legend: B batch, T query length, S key length, D embed, N query heads, K kv heads,
 G query heads per kv head (N = K * G), H head dim, F mlp, V vocab.
 
 Layout choices (../shared/PERF_NOTES.md): q, k and v come from ONE fused projection laid out
-[D, K, G + 2, H] (per kv head: its G query heads, then k, then v), so GQA needs no repeat and
+[D, K, G + 2, H] (per kv head: its G query heads, then k, then v; G + 1 without v when keys are
+values, G for a KV-shared layer, which projects queries only), so GQA needs no repeat and
 the kv-head axis shards cleanly for tensor parallelism; gate and up are one [D, 2, F]
 projection; the KV cache is [B, K, S, H] so the attention einsums need no transpose.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +32,17 @@ from flax import nnx
 from posttrain.models.attention import attention
 from posttrain.models.config import ModelConfig, RopeConfig
 from posttrain.sharding import constrain, param
+
+
+class Buffer(nnx.Variable):
+    """A loaded tensor that is never trained (a Hugging Face buffer, e.g. Gemma 4's `layer_scalar`):
+    not an `nnx.Param`, so the trainer leaves it frozen and parameter counts leave it out, as in HF."""
+
+
+def rms_normalize(x, eps: float):
+    """x / rms(x) over the last axis, statistics in float32 (HF's norms without a scale, Gemma 4 v_norm)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -40,8 +55,7 @@ class RMSNorm(nnx.Module):
         self.unit_offset = unit_offset
 
     def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        y = rms_normalize(x.astype(jnp.float32), self.eps)
         w = self.scale[...].astype(jnp.float32)
         if self.unit_offset:
             w = 1.0 + w
@@ -49,10 +63,15 @@ class RMSNorm(nnx.Module):
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies [H/2] (float32), with HF's linear or llama3 scaling."""
+    """Inverse frequencies [H/2] (float32), with HF's linear, llama3 or proportional scaling."""
     inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
     inv = inv.astype(np.float32)
-    if rope.kind == "linear":
+    if rope.kind == "proportional":
+        # Gemma 4 global layers: the first partial * H/2 pairs rotate at the full head's frequencies,
+        # the other pairs get frequency 0 (cos 1, sin 0: not rotated); as transformers' proportional RoPE.
+        rotated = int(rope.partial * head_dim // 2)
+        inv = np.concatenate([inv[:rotated], np.zeros(head_dim // 2 - rotated, np.float32)]) / rope.factor
+    elif rope.kind == "linear":
         inv = inv / rope.factor
     elif rope.kind == "llama3":
         # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
@@ -120,21 +139,26 @@ def lora_update(module, name: str, x):
 
 
 class Attention(nnx.Module):
-    """Grouped-query self-attention of one layer; reads and writes that layer's KV cache."""
+    """Grouped-query self-attention of one layer; reads and writes that layer's KV cache.
+
+    Per layer (ModelConfig.layer_*): K kv heads of width H; `kv_slots` of the fused projection after the
+    G query heads: 2 (k, v), 1 (k only: values are the raw keys, Gemma 4 k_eq_v) or 0 (a KV-shared layer:
+    it attends the keys and values of `cfg.kv_source(layer)`, passed in as `shared`)."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        D, K, G, H = cfg.embed_dim, cfg.num_kv_heads, cfg.groups, cfg.head_dim
+        D, K, H = cfg.embed_dim, cfg.layer_kv_heads(layer), cfg.layer_head_dim(layer)
+        G = cfg.num_heads // K
+        self.kv_slots = cfg.layer_kv_slots(layer)
         pd = jnp.dtype(cfg.param_dtype)
         init = nnx.initializers.normal(0.02)
-        self.qkv = param(init(rngs.params(), (D, K, G + 2, H), pd), ("embed", "kv_heads", None, "head_dim"))
-        self.qkv_bias = (param(jnp.zeros((K, G + 2, H), pd), ("kv_heads", None, "head_dim"))
-                         if cfg.qkv_bias else None)
+        C = G + self.kv_slots
+        self.qkv = param(init(rngs.params(), (D, K, C, H), pd), ("embed", "kv_heads", None, "head_dim"))
+        self.qkv_bias = param(jnp.zeros((K, C, H), pd), ("kv_heads", None, "head_dim")) if cfg.qkv_bias else None
         self.o = param(init(rngs.params(), (K, G, H, D), pd), ("kv_heads", None, "head_dim", "embed"))
-        if cfg.qk_norm:
-            norm = dict(eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, param_dtype=pd, names=("head_dim",))
-            self.q_norm, self.k_norm = RMSNorm(H, **norm), RMSNorm(H, **norm)
-        else:
-            self.q_norm = self.k_norm = None
+        norm = dict(eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, param_dtype=pd, names=("head_dim",))
+        self.q_norm = RMSNorm(H, **norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(H, **norm) if cfg.qk_norm and self.kv_slots else None
+        self.v_norm_eps = cfg.norm_eps if cfg.v_norm else None
         self.qkv_lora = self.o_lora = nnx.data(None)  # LoRA adapters, attached by models.lora.apply_lora
         self.groups = G
         self.dtype = jnp.dtype(cfg.dtype)
@@ -142,11 +166,13 @@ class Attention(nnx.Module):
         self.attn_softcap = cfg.attn_softcap
         self.window = cfg.layer_window(layer)
 
-    def __call__(self, x, rope, layout, kv=None, write_index=None, return_attn=False):
+    def __call__(self, x, rope, layout, kv=None, write_index=None, return_attn=False, shared=None):
         """x [B,T,D], rope: this layer's (cos, sin) from `rope_cos_sin`, layout: the masking inputs (attention.py).
 
         kv: this layer's cache (k, v), each [B,K,S,H], or None to attend within x only.
-        Returns (y [B,T,D], new kv or None, probs [B,N,T,S] or None).
+        shared: a KV-shared layer's keys and values (what its source layer attended), else None.
+        Returns (y [B,T,D], the (k, v) attended: the updated cache with one, else x's own [B,K,T,H];
+        None for a KV-shared layer, probs [B,N,T,S] or None).
         """
         G, dt = self.groups, self.dtype
         x = x.astype(dt)
@@ -155,21 +181,27 @@ class Attention(nnx.Module):
             qkv = qkv + d
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...].astype(dt)
-        q, k, v = split(qkv, 3, (G, 1, 1))
-        k, v = k[:, :, :, 0], v[:, :, :, 0]  # q [B,T,K,G,H]; k, v [B,T,K,H]
+        q, *kv_new = split(qkv, 3, (G,) + (1,) * self.kv_slots)  # q [B,T,K,G,H]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, rope)
-        k = apply_rope(k, rope)
-        q = constrain(q, ("batch", "seq", "kv_heads", None, "head_dim"))
-        k = jnp.swapaxes(k, 1, 2)  # [B,K,T,H]
-        v = jnp.swapaxes(v, 1, 2)
-        if kv is not None:
-            zero = jnp.zeros((), jnp.int32)
-            idx = (zero, zero, write_index, zero)
-            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), idx)
-            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), idx)
+            q = self.q_norm(q)
+        q = constrain(apply_rope(q, rope), ("batch", "seq", "kv_heads", None, "head_dim"))
+        if self.kv_slots:
+            k = kv_new[0][:, :, :, 0]  # [B,T,K,H]
+            v = kv_new[1][:, :, :, 0] if self.kv_slots == 2 else k  # keys as values: the raw projection
+            if self.k_norm is not None:
+                k = self.k_norm(k)
+            if self.v_norm_eps is not None:
+                v = rms_normalize(v, self.v_norm_eps)
+            k = jnp.swapaxes(apply_rope(k, rope), 1, 2)  # [B,K,T,H]
+            v = jnp.swapaxes(v, 1, 2)
+            if kv is not None:
+                zero = jnp.zeros((), jnp.int32)
+                idx = (zero, zero, write_index, zero)
+                k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), idx)
+                v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), idx)
             kv = (k, v)
+        else:
+            (k, v), kv = shared, None
         out, probs = attention(q, k, v, layout, window=self.window, scale=self.scale, cap=self.attn_softcap,
                                return_probs=return_attn)
         b, t = out.shape[:2]  # one 2-D matmul: lets XLA keep the weight's layout (no per-call transpose)
@@ -187,8 +219,8 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU (silu) or GeGLU (tanh-approximate gelu)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, F = cfg.embed_dim, cfg.mlp_dim
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, width: Optional[int] = None):
+        D, F = cfg.embed_dim, width or cfg.mlp_dim
         pd = jnp.dtype(cfg.param_dtype)
         init = nnx.initializers.normal(0.02)
         self.gate_up = param(init(rngs.params(), (D, 2, F), pd), ("embed", None, "mlp"))
@@ -212,36 +244,67 @@ class MLP(nnx.Module):
 
 
 class Block(nnx.Module):
-    """One decoder layer: pre-norm attention and MLP residuals (Gemma 2/3 add post-norms)."""
+    """One decoder layer: pre-norm attention and MLP residuals (Gemma 2/3/4 add post-norms).
+
+    Gemma 4 adds, per ModelConfig: the routed experts beside the dense MLP (`moe_beside_mlp`: each
+    branch post-normed, summed, then the shared post-norm), a per-layer input residual after the MLP
+    (`per_layer_dim`: down(act(gate(x)) * per-layer input), normed) and a loaded output scalar."""
 
     def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        norm = dict(eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, param_dtype=jnp.dtype(cfg.param_dtype))
-        D = cfg.embed_dim
+        from posttrain.models.moe import MoE
+
+        pd = jnp.dtype(cfg.param_dtype)
+        norm = dict(eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, param_dtype=pd)
+        D, P = cfg.embed_dim, cfg.per_layer_dim
         self.attn_norm = RMSNorm(D, **norm)
         self.attn = Attention(cfg, layer, rngs=rngs)
         self.mlp_norm = RMSNorm(D, **norm)
-        if cfg.is_moe_layer(layer):
-            from posttrain.models.moe import MoE
-
-            self.mlp = MoE(cfg, rngs=rngs)
-        else:
-            self.mlp = MLP(cfg, rngs=rngs)
+        routed = cfg.is_moe_layer(layer)
+        self.mlp = MoE(cfg, rngs=rngs) if routed and not cfg.moe_beside_mlp else MLP(
+            cfg, rngs=rngs, width=cfg.layer_mlp_dim(layer))
+        # Gemma 4: experts beside the MLP (HF norms: pre_feedforward_layernorm_2, post_feedforward_layernorm_1, _2)
+        beside = routed and cfg.moe_beside_mlp
+        self.moe = MoE(cfg, rngs=rngs) if beside else None
+        self.moe_norm, self.post_dense_norm, self.post_moe_norm = (RMSNorm(D, **norm) if beside else None
+                                                                   for _ in range(3))
         if cfg.sandwich_norm:
             self.post_attn_norm, self.post_mlp_norm = RMSNorm(D, **norm), RMSNorm(D, **norm)
         else:
             self.post_attn_norm = self.post_mlp_norm = None
-        self.rope = cfg.layer_rope(layer)  # static: the Transformer passes this RopeConfig's (cos, sin)
+        # Gemma 4 per-layer inputs (HF: per_layer_input_gate, per_layer_projection, post_per_layer_input_norm)
+        init = nnx.initializers.normal(0.02)
+        self.ple_gate = param(init(rngs.params(), (D, P), pd), ("embed", None)) if P else None
+        self.ple_proj = param(init(rngs.params(), (P, D), pd), (None, "embed")) if P else None
+        self.ple_norm = RMSNorm(D, **norm) if P else None
+        scalar = cfg.layer_scalar  # Gemma 4's layer_scalar: loaded, never trained
+        self.layer_scalar = Buffer(jnp.ones((1,), pd), out_sharding=(None,), eager_sharding=False) if scalar else None
+        self.act = jax.nn.silu if cfg.activation == "silu" else (lambda z: jax.nn.gelu(z, approximate=True))
+        # static: the Transformer passes the (cos, sin) of this (RopeConfig, head size)
+        self.rope = (cfg.layer_rope(layer), cfg.layer_head_dim(layer))
 
-    def __call__(self, x, rope, layout, kv=None, write_index=None, return_attn=False):
-        """Returns (x, kv, attention probabilities or None, router logits [B, T, E] or None: dense MLP)."""
-        h, kv, attn = self.attn(self.attn_norm(x), rope, layout, kv, write_index, return_attn)
+    def __call__(self, x, rope, layout, kv=None, write_index=None, return_attn=False, shared_kv=None,
+                 per_layer_input=None):
+        """Returns (x, kv, attention probabilities or None, router logits [B, T, E] or None: dense MLP).
+
+        shared_kv: the source layer's (k, v) for a KV-shared layer; per_layer_input [B, T, P] (Gemma 4)."""
+        h, kv, attn = self.attn(self.attn_norm(x), rope, layout, kv, write_index, return_attn, shared_kv)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
         h, router = self.mlp(self.mlp_norm(x)), None
         if isinstance(h, tuple):  # mixture of experts (models/moe.py)
             h, router = h
+        if self.moe is not None:  # Gemma 4: the experts see the layer's input; the router normalises its own
+            e, router = self.moe(self.moe_norm(x), router_x=x)
+            h = self.post_dense_norm(h) + self.post_moe_norm(e)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
-        x = constrain(x + h, ("batch", "seq", "embed"))
+        x = x + h
+        if self.ple_gate is not None:
+            dt = x.dtype
+            h = self.act(x @ self.ple_gate[...].astype(dt)) * per_layer_input.astype(dt)
+            x = x + self.ple_norm(h @ self.ple_proj[...].astype(dt))
+        if self.layer_scalar is not None:
+            x = x * self.layer_scalar[...].astype(x.dtype)
+        x = constrain(x, ("batch", "seq", "embed"))
         return x, kv, attn, router

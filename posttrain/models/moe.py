@@ -1,10 +1,14 @@
-"""Mixture-of-experts MLP block (Qwen3-MoE, Mixtral), its router losses, and the hook that hands them to the step.
+"""Mixture-of-experts MLP block (Qwen3-MoE, Mixtral, Gemma 4), its router losses, and the hook that hands them
+to the step.
 
 What it is: the routed replacement for the dense gated MLP on a model's sparse layers
-(`ModelConfig.num_experts > 0`, every layer not in `dense_layers`). Routing follows Hugging Face
-transformers 5.12 exactly: router logits = x W_r (compute dtype), probabilities = float32 softmax,
-the top-k experts per token, their probabilities renormalised to sum 1 when `norm_topk_prob`
-(Mixtral always), and y = sum_k p_k * down_e(act(gate_e(x)) * up_e(x)).
+(`ModelConfig.num_experts > 0`, every layer not in `dense_layers`), or, for Gemma 4
+(`moe_beside_mlp`), a second branch beside every layer's dense MLP (layers.Block adds the norms).
+Routing follows Hugging Face transformers 5.12 exactly: router logits = x W_r (compute dtype),
+probabilities = float32 softmax, the top-k experts per token, their probabilities renormalised to
+sum 1 when `norm_topk_prob` (Mixtral, Gemma 4 always), and y = sum_k p_k * down_e(act(gate_e(x)) * up_e(x)).
+Gemma 4's router reads the layer input normalised without a scale, times a learned scale [D] and
+D^-1/2, and multiplies the renormalised weights by a learned per-expert scale [E].
 
 Dropless and grouped (MegaBlocks, arXiv 2211.15841): the N * k (token, expert) assignments are
 sorted by expert, each expert's rows form one contiguous group, and the two expert projections
@@ -97,6 +101,10 @@ class MoE(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         init = nnx.initializers.normal(0.02)
         self.router = param(init(rngs.params(), (D, E), pd), ("embed", None))
+        g4 = cfg.moe_beside_mlp  # Gemma 4's router (HF: router.scale, router.per_expert_scale)
+        self.router_scale = param(jnp.ones((D,), pd), ("embed",)) if g4 else None
+        self.expert_scale = param(jnp.ones((E,), pd), (None,)) if g4 else None
+        self.eps = cfg.norm_eps
         # Not named gate_up / down: LoRA (models/lora.py) targets those names and adapts dense MLPs only.
         self.expert_gate_up = param(init(rngs.params(), (E, D, 2, F), pd), ("expert", "embed", None, "mlp"))
         self.expert_down = param(init(rngs.params(), (E, F, D), pd), ("expert", "mlp", "embed"))
@@ -105,16 +113,21 @@ class MoE(nnx.Module):
         self.act = jax.nn.silu if cfg.activation == "silu" else (lambda z: jax.nn.gelu(z, approximate=True))
         self.dtype = jnp.dtype(cfg.dtype)
 
-    def __call__(self, x):
-        """x [B, T, D] -> (y [B, T, D], router logits [B, T, E] float32)."""
-        from posttrain.models.layers import split
+    def __call__(self, x, router_x=None):
+        """x [B, T, D] -> (y [B, T, D], router logits [B, T, E] float32); router_x: the router's input if not x."""
+        from posttrain.models.layers import rms_normalize, split
 
         dt, k = self.dtype, self.k
         B, T, D = x.shape
         E, _, _, F = self.expert_gate_up.shape
         xf = x.astype(dt).reshape(B * T, D)
-        logits = xf @ self.router[...].astype(dt)  # [N, E]
+        rx = xf if router_x is None else router_x.astype(dt).reshape(B * T, D)
+        if self.router_scale is not None:
+            rx = rms_normalize(rx, self.eps) * self.router_scale[...].astype(dt) * jnp.asarray(D ** -0.5, dt)
+        logits = rx @ self.router[...].astype(dt)  # [N, E]
         weights, idx = route(logits, k, self.normalize)
+        if self.expert_scale is not None:
+            weights = weights * jnp.take(self.expert_scale[...].astype(jnp.float32), idx)
         flat = idx.reshape(-1)  # assignment a = token * k + slot
         order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
         inverse = jnp.argsort(order)

@@ -4,6 +4,10 @@
 return_attn=False)` returns a `ModelOutput`. What it is not: a sampler (see `posttrain.generate`)
 or a loss (see `posttrain.losses`). Mixture-of-experts layers (`models/moe.py`) return their router
 logits (`return_router_logits`) and, without a cache, record them for the train step's router losses.
+Gemma 4: per-layer input embeddings (a token table of L * P plus a projection of the embeddings,
+normed, summed, scaled by 2^-1/2, one [P] slice per layer) and KV-shared layers, which attend the
+keys and values their source layer just attended (with a cache: that layer's cache after this
+call's write), so the cache holds only the first `cfg.cache_layers` layers.
 
 Masking rule, the same with and without a cache (`models/attention.py` holds it and the
 implementations): a query attends a key slot when the slot holds a real token (segment id != 0 /
@@ -32,7 +36,8 @@ from posttrain.sharding import constrain, param
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Keys and values of every layer, [B, K, S, H] each, plus slot bookkeeping.
+    """Keys and values of every layer with its own (`cfg.cache_layers`), [B, K, S, H] each (K and H of
+    that layer), plus slot bookkeeping.
 
     pos [B, S] int32: the position of the token in each slot, -1 for an empty or padding slot.
     index: scalar int32, the next slot to write (the same for every row: prompts are left-padded).
@@ -48,9 +53,8 @@ class KVCache:
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, size: int, dtype=None) -> "KVCache":
         dtype = jnp.dtype(dtype or cfg.dtype)
-        shape = (batch, cfg.num_kv_heads, size, cfg.head_dim)
-        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
-        return cls(zeros, tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+        shapes = [(batch, cfg.layer_kv_heads(i), size, cfg.layer_head_dim(i)) for i in range(cfg.cache_layers)]
+        return cls(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes),
                    jnp.full((batch, size), -1, jnp.int32), jnp.zeros((), jnp.int32))
 
     @property
@@ -78,6 +82,13 @@ class Transformer(nnx.Module):
         self.lm_head = None if cfg.tie_embeddings else param(
             nnx.initializers.normal(0.02)(rngs.params(), (cfg.embed_dim, cfg.vocab_size), pd),
             ("embed", "vocab"))
+        # Gemma 4 per-layer inputs (HF: embed_tokens_per_layer, per_layer_model_projection, per_layer_projection_norm)
+        LP, init = cfg.num_layers * cfg.per_layer_dim, nnx.initializers.normal(0.02)
+        self.ple_embed = param(init(rngs.params(), (cfg.per_layer_vocab or cfg.vocab_size, LP), pd),
+                               ("vocab", None)) if LP else None
+        self.ple_model_proj = param(init(rngs.params(), (cfg.embed_dim, LP), pd), ("embed", None)) if LP else None
+        self.ple_norm = RMSNorm(cfg.per_layer_dim, eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset,
+                                param_dtype=pd, names=(None,)) if LP else None
 
     def embed_tokens(self, tokens):
         dt = jnp.dtype(self.cfg.dtype)
@@ -86,6 +97,15 @@ class Transformer(nnx.Module):
             # HF Gemma rounds the normaliser to the compute dtype before multiplying.
             x = x * jnp.asarray(self.cfg.embed_dim ** 0.5, dt)
         return constrain(x, ("batch", "seq", "embed"))
+
+    def per_layer_inputs(self, tokens, x):
+        """Gemma 4: [B, T, L, P] per-layer inputs from tokens [B, T] and their scaled embeddings x [B, T, D]."""
+        cfg, dt = self.cfg, x.dtype
+        B, T, L, P = *tokens.shape, cfg.num_layers, cfg.per_layer_dim
+        ids = jnp.take(self.ple_embed[...], tokens, axis=0).astype(dt) * jnp.asarray(P ** 0.5, dt)
+        proj = (x @ self.ple_model_proj[...].astype(dt)) * jnp.asarray(cfg.embed_dim ** -0.5, dt)
+        proj = self.ple_norm(proj.reshape(B, T, L, P))
+        return (proj + ids.reshape(B, T, L, P)) * jnp.asarray(2.0 ** -0.5, dt)
 
     def unembed(self, h):
         """Final hidden states [B, T, D] (after the final norm) -> logits [B, T, V]."""
@@ -98,7 +118,7 @@ class Transformer(nnx.Module):
         return constrain(logits, ("batch", "seq", "vocab"))
 
     def rope_tables(self, length: int) -> dict:
-        """RoPE (cos, sin) tables [length, H] for positions 0 .. length - 1, per RopeConfig in use.
+        """RoPE (cos, sin) tables [length, H] for positions 0 .. length - 1, per (RopeConfig, H) in use.
 
         A decode loop computes these once and passes them to every step (`rope_tables=`): XLA
         would otherwise fuse a fresh sin/cos into each layer's q and k fusions at every step
@@ -107,8 +127,8 @@ class Transformer(nnx.Module):
         return {r: (c[0], s[0]) for r, (c, s) in self._ropes(jnp.arange(length, dtype=jnp.int32)[None]).items()}
 
     def _ropes(self, positions) -> dict:
-        """(cos, sin) [B, T, H] for `positions` [B, T], per RopeConfig the layers use."""
-        return {r: rope_cos_sin(positions, r, self.cfg.head_dim) for r in {b.rope for b in self.layers}}
+        """(cos, sin) [B, T, H] for `positions` [B, T], per (RopeConfig, head size) the layers use."""
+        return {r: rope_cos_sin(positions, *r) for r in {b.rope for b in self.layers}}
 
     def __call__(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None, branch_ids=None,
                  return_hidden=False, return_attn=False, return_logits=True, rope_tables=None,
@@ -151,26 +171,31 @@ class Transformer(nnx.Module):
         # maps a few); the others keep the blockwise attention, which never forms [T, S] probabilities.
         want = set(range(len(self.layers))) if return_attn is True else set(return_attn or ())
         x = self.embed_tokens(tokens)
-        hidden, attns, ks, vs, routers = [x], [], [], [], []
+        per_layer = None if self.ple_embed is None else self.per_layer_inputs(tokens, x)
+        hidden, attns, kvs, routers = [x], [], [], []
         for i, blk in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
+            src = self.cfg.kv_source(i)
+            shared = None if src is None else kvs[src]  # a KV-shared layer attends its source's keys and values
+            ple = None if per_layer is None else per_layer[:, :, i]
+            kv = None if cache is None or src is not None else (cache.k[i], cache.v[i])
             if self.cfg.remat and cache is None and i not in want:  # keep only each layer's input for the backward
-                x, kv, attn, router = nnx.remat(lambda b, h, r, m: b(h, r, m))(blk, x, ropes[blk.rope], layout)
+                x, kv, attn, router = nnx.remat(lambda b, h, r, m, s, p: b(h, r, m, shared_kv=s, per_layer_input=p))(
+                    blk, x, ropes[blk.rope], layout, shared, ple)
             else:
                 x, kv, attn, router = blk(x, ropes[blk.rope], layout, kv, None if cache is None else cache.index,
-                                          i in want)
+                                          i in want, shared, ple)
             if router is not None:
                 routers.append(router)
-            if cache is not None:
-                ks.append(kv[0])
-                vs.append(kv[1])
+            kvs.append(kv)
             hidden.append(x)
             attns.append(attn)
         if routers and cache is None:
             moe.record(self, routers, real_pos >= 0)
         x = self.final_norm(x)
         hidden[-1] = x
-        new_cache = None if cache is None else KVCache(tuple(ks), tuple(vs), k_pos, cache.index + T, k_branch)
+        own = kvs[:self.cfg.cache_layers]
+        new_cache = None if cache is None else KVCache(tuple(k for k, _ in own), tuple(v for _, v in own), k_pos,
+                                                       cache.index + T, k_branch)
         return ModelOutput(
             logits=self.unembed(x) if return_logits else None,
             cache=new_cache,
