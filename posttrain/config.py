@@ -1,21 +1,23 @@
 """Typed run configuration: YAML file + dotted command-line overrides -> frozen dataclasses.
 
-What it is: (A) small generic machinery that turns nested dicts into frozen, keyword-only
-dataclasses (`from_dict`, `load`) and back (`to_dict`, `save`), checking every key and type so a
-typo or a wrong value fails at startup with a message naming the dotted key; (B) the config
-sections shared by all trainers (model, data, optim, lora, train) and the SFT config.
+What it is: (A) the loading rules, checked by pydantic v2: `from_dict` / `load` validate nested
+dicts into frozen, keyword-only dataclasses in pydantic's strict mode (no "10" for an int, no 1 or
+"true" for a bool, no unknown keys) and turn pydantic's errors into messages naming the dotted key
+(did you mean ..., the expected type, where the value came from); `to_dict` / `save` go back; (B)
+the config sections shared by all trainers (model, data, optim, lora, train, ...) and the SFT config.
 
-What it is not: not a general schema library (field types: int, float, str, bool, Optional[X],
-tuple[X, ...], Literal[...], nested dataclasses, dict[str, X], dict[int, X]; anything else is a bug in the
-dataclass, raised as TypeError), and it does not resolve paths or load models or data: sections
-only hold and validate values. Trainer-specific configs (DPO, GRPO, ...) live next to their
-trainers and reuse these sections.
+What it is not: not a schema library of its own (field types: int, float, str, bool, Optional[X],
+tuple[X, ...], Literal[...], nested dataclasses, dict[str, X], dict[int, X]), and it does not
+resolve paths or load models or data: sections only hold and validate values (`__post_init__`).
+Trainer-specific configs (DPO, GRPO, ...) live next to their trainers and reuse these sections.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import json
 import os
 import types
 import typing
@@ -28,7 +30,105 @@ from posttrain.errors import PosttrainError
 
 T = TypeVar("T")
 
-# ----------------------------------------------------------------------------- generic machinery
+# ----------------------------------------------------------------------------- loading rules (pydantic)
+
+
+@functools.cache
+def _adapter(tp):
+    import pydantic  # imported on first use: `import posttrain` does not pay for it
+
+    return pydantic.TypeAdapter(tp)  # built once per type (a build takes milliseconds)
+
+
+def _validate(tp, value, where: str, key: str = ""):
+    """`value` (the one under dotted `key`) checked against type `tp` and built: sections become
+    dataclasses, lists tuples. Errors are PosttrainErrors that start with `where`."""
+    import pydantic
+
+    # pydantic's strict mode on JSON input is the YAML rule set: mappings for sections, lists for
+    # tuples, ints for floats, but no "10" for an int and no 0 / 1 for a bool. (On Python input, strict
+    # mode wants dataclass instances where YAML gives dicts; pydantic's advice is this JSON round trip.)
+    data = json.loads(json.dumps(to_dict(value), default=str))  # a copy (YAML dates as text) to edit below
+    while True:
+        try:
+            return _adapter(tp).validate_json(json.dumps(data), strict=True, extra="forbid")
+        except pydantic.ValidationError as e:
+            errors = e.errors(include_url=False)
+        except PosttrainError as e:  # an invariant in __post_init__: add which file/source it came from
+            raise PosttrainError(f"{where}: {e}") from None
+        eased = [(err["loc"], new) for err in errors if (new := _eased(tp, err)) is not None]
+        if not eased:
+            raise _error(tp, errors, data, where, key)
+        for loc, new in eased:  # retry with the YAML habits strict mode refuses eased
+            if loc:
+                _at(data, loc[:-1])[loc[-1]] = new
+            else:
+                data = new
+
+
+def _eased(tp, err):
+    """The value to retry with where `err` is a YAML habit that strict mode refuses; else None."""
+    kind, value = err["type"], err["input"]
+    if kind == "float_type" and isinstance(value, str):
+        # PyYAML implements YAML 1.1, which reads `3e-4` and `1e5` (no dot) as strings; numbers
+        # written that way are common for learning rates, so accept strings that parse as floats.
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    if kind == "dataclass_type" and value is None:  # an empty YAML section (`lora:` and nothing under it)
+        return {}
+    if kind == "missing" and dataclasses.is_dataclass(_walk(tp, err["loc"])[1]):
+        return {}  # a missing required section: built empty, the error names the leaf needed ('data.train')
+    return None
+
+
+def _at(data, loc):
+    return functools.reduce(lambda node, part: node[part], loc, data)
+
+
+def _walk(tp, loc, key: str = "") -> tuple[str, object]:
+    """(dotted key, field type) of the value at pydantic error location `loc` in a `tp` value at `key`."""
+    for part in loc:
+        tp = _optional_arg(tp) or tp
+        if dataclasses.is_dataclass(tp):
+            tp, key = typing.get_type_hints(tp)[part], f"{key}.{part}" if key else part
+        elif typing.get_origin(tp) is tuple:
+            tp, key = typing.get_args(tp)[0], f"{key}[{part}]"
+        else:  # dict[str, X] / dict[int, X]
+            tp, key = typing.get_args(tp)[1], f"{key}.{part}" if key else str(part)
+    return key, _optional_arg(tp) or tp
+
+
+def _error(tp, errors: list[dict], data, where: str, key: str) -> PosttrainError:
+    """One message for pydantic's `errors`: unknown keys first (a typo in a required key then gets
+    "did you mean" rather than "missing"), then missing keys, then the first wrong value."""
+    for err in errors:
+        if err["type"] == "unexpected_keyword_argument":
+            section, section_tp = _walk(tp, err["loc"][:-1], key)
+            return _unknown_key(where, f"{section}." if section else "", err["loc"][-1], _field_names(section_tp))
+    missing = [_walk(tp, err["loc"], key)[0] for err in errors if err["type"] == "missing"]
+    if missing:
+        keys = ", ".join(f"'{k}'" for k in missing)
+        return PosttrainError(f"{where}: missing required key {keys} (set it in the YAML file or on the "
+                              f"command line as {missing[0]}=...)")
+    if "error" in errors[0].get("ctx", {}):  # a ValueError / assert in a __post_init__: its own words
+        return PosttrainError(f"{where}: {errors[0]['ctx']['error']}")
+    loc = errors[0]["loc"]
+    if "[key]" in loc:  # a mapping key of the wrong type (pydantic's location: KEY, '[key]'): blame the mapping
+        loc = loc[:loc.index("[key]") - 1]
+    dotted, expected = _walk(tp, loc, key)
+    value = _at(data, loc)
+    if dataclasses.is_dataclass(expected):
+        scope = f"'{dotted}'" if dotted else "the top level"
+        return PosttrainError(f"{where}: {scope} must be a mapping of keys ({', '.join(_field_names(expected))}), "
+                              f"got {value!r} ({type(value).__name__})")
+    hint = {bool: "; write true or false without quotes", str: "; quote it to pass it as text"}.get(expected, "")
+    if typing.get_origin(expected) is tuple:  # a bare string is refused, not split into characters
+        hint = "; write a list, e.g. [a, b]"
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    return PosttrainError(f"{where}: '{dotted}' must be {_describe(expected)}, got {shown} "
+                          f"({type(value).__name__}){hint}")
 
 
 def _unknown_key(where: str, prefix: str, key: str, known: Sequence[str]) -> PosttrainError:
@@ -40,12 +140,10 @@ def _unknown_key(where: str, prefix: str, key: str, known: Sequence[str]) -> Pos
 
 
 def _optional_arg(tp) -> object | None:
-    """X for Optional[X] / X | None, else None. Other unions are unsupported on purpose."""
+    """X for Optional[X] / X | None, else None."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) != 1:
-            raise TypeError(f"config fields support only Optional[X] unions, got {tp}")
-        return args[0]
+        return args[0] if len(args) == 1 else None
     return None
 
 
@@ -60,101 +158,16 @@ def _describe(tp) -> str:
         return f"a list of {_describe(args[0])}"
     if origin is dict:
         return f"a mapping of {_describe(args[0])} to {_describe(args[1])}"
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping (section {tp.__name__})"
     return {bool: "bool (true or false)", int: "int", float: "float", str: "str"}.get(tp, str(tp))
-
-
-def _type_error(where: str, key: str, tp, value, hint: str = "") -> PosttrainError:
-    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-    kind = type(value).__name__
-    return PosttrainError(f"{where}: '{key}' must be {_describe(tp)}, got {shown} ({kind}){hint}")
-
-
-def _convert(tp, value, key: str, where: str):
-    """Check `value` against field type `tp` and return it in canonical form (tuples, floats)."""
-    if (inner := _optional_arg(tp)) is not None:
-        return None if value is None else _convert(inner, value, key, where)
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):  # programmatic callers may pass a ready section
-            return value
-        # An empty YAML section (`lora:` with nothing under it) parses as None: same as {}.
-        return _build(tp, {} if value is None else value, where, key + ".")
-    if origin is Literal:
-        # Compare type too, so 1 does not match Literal[True] and "1" does not match Literal[1].
-        if any(value == a and type(value) is type(a) for a in args):
-            return value
-        raise _type_error(where, key, tp, value)
-    if origin is tuple and args[-1] is Ellipsis:
-        # YAML gives lists; a bare string is rejected rather than silently split into characters.
-        if not isinstance(value, (list, tuple)):
-            raise _type_error(where, key, tp, value, "; write a list, e.g. [a, b]")
-        return tuple(_convert(args[0], v, f"{key}[{i}]", where) for i, v in enumerate(value))
-    if origin is dict:  # str keys, or int keys (layer maps; YAML reads `0: 3` as int: int)
-        if not isinstance(value, Mapping) or not all(type(k) is args[0] for k in value):
-            raise _type_error(where, key, tp, value)
-        return {k: _convert(args[1], v, f"{key}.{k}", where) for k, v in value.items()}
-    if tp is bool or (tp in (int, float) and isinstance(value, bool)):
-        # bool is an int subclass in Python, and 0/1 or "true" (quoted) for a flag are almost always
-        # mistakes, so flags take only real booleans and numbers never take booleans.
-        if tp is bool and isinstance(value, bool):
-            return value
-        raise _type_error(where, key, tp, value, "; write true or false without quotes" if tp is bool else "")
-    if (tp is int and isinstance(value, int)) or (tp is str and isinstance(value, str)):
-        return value
-    if tp is float and isinstance(value, (int, float, str)):
-        # PyYAML implements YAML 1.1, which reads `3e-4` and `1e5` (no dot) as strings; numbers
-        # written that way are common for learning rates, so accept strings that parse as floats.
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    if tp in (int, float, str):
-        raise _type_error(where, key, tp, value, "; quote it to pass it as text" if tp is str else "")
-    raise TypeError(f"unsupported config field type {tp!r} for '{key}'")
 
 
 def _field_names(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.init]
 
 
-def _build(cls: type[T], data, where: str, prefix: str) -> T:
-    if not isinstance(data, Mapping):
-        scope = f"'{prefix[:-1]}'" if prefix else "the top level"
-        raise PosttrainError(f"{where}: {scope} must be a mapping of keys ({', '.join(_field_names(cls))}), "
-                             f"got {data!r} ({type(data).__name__})")
-    hints, fields = typing.get_type_hints(cls), [f for f in dataclasses.fields(cls) if f.init]
-    names = [f.name for f in fields]
-    # Unknown keys first: a typo in a required key then gets "did you mean" instead of "missing".
-    for key in data:
-        if key not in names:
-            raise _unknown_key(where, prefix, key, names)
-    kwargs, missing = {}, []
-    for f in fields:
-        dotted = prefix + f.name
-        if f.name in data:
-            kwargs[f.name] = _convert(hints[f.name], data[f.name], dotted, where)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            if dataclasses.is_dataclass(hints[f.name]):
-                # A missing required section: build it empty so the error names the leaf that
-                # is actually needed (e.g. 'data.train'), not just 'data'.
-                kwargs[f.name] = _convert(hints[f.name], {}, dotted, where)
-            else:
-                missing.append(dotted)
-    if missing:
-        keys = ", ".join(f"'{k}'" for k in missing)
-        raise PosttrainError(f"{where}: missing required key {keys} (set it in the YAML file or on the "
-                             f"command line as {missing[0]}=...)")
-    try:
-        return cls(**kwargs)
-    except PosttrainError as e:  # invariants in __post_init__: add which file/source they came from
-        raise PosttrainError(f"{where}: {e}") from None
-
-
 def from_dict(cls: type[T], data: Mapping, where: str = "config") -> T:
     """Build dataclass `cls` from a nested dict, checking keys and types; `where` prefixes errors."""
-    return _build(cls, data, where, "")
+    return _validate(cls, data, where)
 
 
 def _apply_override(cls, data: dict, item: str) -> None:
@@ -186,7 +199,7 @@ def _apply_override(cls, data: dict, item: str) -> None:
             tp = typing.get_type_hints(tp)[part]
         if last:
             # Type-check now so a bad value is blamed on the command line, not on the YAML file.
-            _convert(tp, value, dotted, where)
+            _validate(tp, value, where, dotted)
             node[part] = value
             return
         tp = _optional_arg(tp) or tp  # descend through Optional[Section]

@@ -1,12 +1,12 @@
 """JSON Schemas of the run configs (`posttrain schema`), so editors check YAML files as they are typed.
 
-What it is: `json_schema(cls)` turns a config dataclass into a JSON Schema (draft 2020-12) with
-the same rules `config.from_dict` applies (types, Literal choices, no unknown keys, required
-keys) and each field's comment in the source as its description; `pipeline_schema()` is the
-schema of a `posttrain run` file (each stage: `task`, `name`, `config` and that trainer's keys);
-`write_schemas(out)` writes one file per trainer plus `pipeline.schema.json`. With the YAML
-language server (VS Code's YAML extension) a first line `# yaml-language-server: $schema=PATH`
-in a config file turns it on.
+What it is: `json_schema(cls)` is pydantic's JSON Schema (draft 2020-12) of a config dataclass,
+the model `config.from_dict` validates with (types, Literal choices, required keys), plus what
+pydantic does not know: no unknown keys, each field's comment in the source as its description,
+and nested sections inline; `pipeline_schema()` is the schema of a `posttrain run` file (each
+stage: `task`, `name`, `config` and that trainer's keys); `write_schemas(out)` writes one file per
+trainer plus `pipeline.schema.json`. With the YAML language server (VS Code's YAML extension) a
+first line `# yaml-language-server: $schema=PATH` in a config file turns it on.
 
 What it is not: the validator posttrain runs (that is `config.from_dict`, which also checks the
 invariants in `__post_init__`, e.g. exactly one of model.path and model.preset).
@@ -14,13 +14,13 @@ invariants in `__post_init__`, e.g. exactly one of model.path and model.preset).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import os
 import re
-import typing
-from typing import Literal
+
+import pydantic
+from pydantic.json_schema import GenerateJsonSchema
 
 from posttrain import config as C
 
@@ -36,57 +36,51 @@ def _descriptions(cls) -> dict[str, str]:
     return {m.group(1): m.group(2).strip() for m in map(_COMMENT.match, src.splitlines()) if m}
 
 
-def _schema(tp) -> dict:
-    if (inner := C._optional_arg(tp)) is not None:
-        return {"anyOf": [_schema(inner), {"type": "null"}]}
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if dataclasses.is_dataclass(tp):
-        return json_schema(tp)
-    if origin is Literal:
-        return {"enum": list(args)}
-    if origin is tuple:
-        return {"type": "array", "items": _schema(args[0])}
-    if origin is dict:
-        if args[0] is int:  # layer maps; YAML keys `0: 3`
-            return {"type": "object", "patternProperties": {"^-?[0-9]+$": _schema(args[1])},
-                    "additionalProperties": False}
-        return {"type": "object", "additionalProperties": _schema(args[1])}
-    simple = {bool: "boolean", int: "integer", float: "number", str: "string"}
-    if tp in simple:
-        return {"type": simple[tp]}
-    raise TypeError(f"no JSON Schema for config field type {tp!r}")
+class _Generator(GenerateJsonSchema):
+    """pydantic's generator (its public hooks), told what `config.from_dict` adds."""
+
+    def dataclass_schema(self, schema):
+        out = super().dataclass_schema(schema)
+        out["additionalProperties"] = False  # unknown keys are errors
+        for name, note in _descriptions(schema["cls"]).items():
+            if name in out["properties"]:
+                out["properties"][name]["description"] = note
+        return out
+
+    def dict_schema(self, schema):
+        out = super().dict_schema(schema)
+        if schema.get("keys_schema", {}).get("type") == "int":  # layer maps; YAML keys `0: 3`
+            out["propertyNames"] = {"pattern": "^-?[0-9]+$"}
+        return out
+
+    def field_title_should_be_set(self, schema) -> bool:
+        return False  # a title "Max Length" for the key max_length adds nothing
 
 
 def json_schema(cls) -> dict:
-    """The JSON Schema of config dataclass `cls` (nested sections inline)."""
-    hints, notes = typing.get_type_hints(cls), _descriptions(cls)
-    props, required = {}, []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        s = _schema(hints[f.name])
-        if f.name in notes:
-            s["description"] = notes[f.name]
-        if f.default is not dataclasses.MISSING:
-            s["default"] = C.to_dict(f.default)
-        elif f.default_factory is dataclasses.MISSING:
-            required.append(f.name)
-        props[f.name] = s
-    out = {"type": "object", "properties": props, "additionalProperties": False}
-    doc = (cls.__doc__ or "").strip().splitlines()
-    if doc and not doc[0].startswith(cls.__name__ + "("):  # dataclasses' generated signature is no help
-        out["title"] = doc[0]
-    if required:
-        out["required"] = required
-    return out
+    """The JSON Schema of config dataclass `cls` (nested sections inline: editors show their keys in place)."""
+    schema = pydantic.TypeAdapter(cls).json_schema(schema_generator=_Generator)
+    return _inline(schema, schema.pop("$defs", {}))
+
+
+def _inline(node, defs: dict):
+    """`node` with every {"$ref": "#/$defs/NAME", ...} replaced by that definition (and its other keys)."""
+    if isinstance(node, dict):
+        if "$ref" in node:
+            rest = {k: v for k, v in node.items() if k != "$ref"}
+            return {**_inline(defs[node["$ref"].rsplit("/", 1)[-1]], defs), **_inline(rest, defs)}
+        return {k: _inline(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline(v, defs) for v in node]
+    return node
 
 
 def trainer_schema(task: str) -> dict:
     from posttrain.trainers import trainer_classes
 
     cfg_cls, _ = trainer_classes(task)
-    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": f"posttrain {task} config",
-            **json_schema(cfg_cls)}
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **json_schema(cfg_cls),
+            "title": f"posttrain {task} config"}
 
 
 def pipeline_schema() -> dict:

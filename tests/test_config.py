@@ -228,3 +228,27 @@ def test_generic_types_tuple_int_dict_and_optional():
     raises(["'inner.ids[0]'", "must be int"], from_dict, _Outer, {"inner": {"ids": ["x"]}})
     raises(["'inner.weights.kl'", "must be float"], from_dict, _Outer, {"inner": {"weights": {"kl": "big"}}})
     raises(["'limit'", "must be int", "'many'"], from_dict, _Outer, {"limit": "many"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Maps:
+    layers: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+def test_strict_types_and_the_yaml_habits_that_are_eased():
+    # Strict: no text for a number, no float for an int (even 10.0), no bool for a float.
+    raises(["'train.steps'", "must be int", "'10'"], from_dict, SFTConfig, {**MINIMAL, "train": {"steps": "10"}})
+    raises(["'train.steps'", "must be int", "10.0"], from_dict, SFTConfig, {**MINIMAL, "train": {"steps": 10.0}})
+    raises(["'optim.lr'", "must be float", "True"], from_dict, SFTConfig, {**MINIMAL, "optim": {"lr": True}})
+    # Eased: YAML 1.1 exponent strings for floats (Optional ones too), an empty section, a ready section.
+    cfg = from_dict(SFTConfig, {**MINIMAL, "optim": {"lr": "1e-4", "max_grad_norm": "5e-1"}, "lora": None,
+                                "train": TrainSection(steps=3)})
+    assert cfg.optim.lr == 1e-4 and cfg.optim.max_grad_norm == 0.5 and type(cfg.optim.max_grad_norm) is float
+    assert cfg.lora == LoraSection() and cfg.train == TrainSection(steps=3)
+    # An unknown key is reported before a missing one (the typo is the likelier cause).
+    raises(["unknown key 'data.trian'", "did you mean 'train'?"],
+           from_dict, SFTConfig, {"model": {"preset": "tiny"}, "data": {"trian": "t.jsonl"}})
+    # int-keyed maps (YAML `0: 3`) keep int keys; a key of another type blames the mapping.
+    assert from_dict(_Maps, {"layers": {0: 3, 1: 5}}).layers == {0: 3, 1: 5}
+    raises(["'layers' must be a mapping of int to int", "{'a': 1}"], from_dict, _Maps, {"layers": {"a": 1}})
+    raises(["the top level must be a mapping of keys (layers)", "[1]"], from_dict, _Maps, [1])
