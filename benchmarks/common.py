@@ -28,6 +28,9 @@ def parse_args(extra=None):
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--experts", type=int, default=0, help="> 0: the anchors' tiny Qwen3-MoE (built when absent)")
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--moe-mlp", type=int, default=256)
     for args, kw in extra or []:
         ap.add_argument(*args, **kw)
     args = ap.parse_args()
@@ -47,13 +50,15 @@ def pin_threads(n: int) -> None:
 
 
 def ensure_checkpoint(args) -> str:
-    """The anchors' tiny Llama at --ckpt; built with the anchors' recipe when absent."""
+    """The anchors' tiny Llama (or with --experts their tiny Qwen3-MoE) at --ckpt; built with the anchors'
+    recipe when absent."""
     if not os.path.exists(os.path.join(args.ckpt, "config.json")):
         here = os.path.dirname(os.path.abspath(__file__))
         sys.path.insert(0, os.path.join(here, "..", "..", "shared", "anchors"))
         from hf_bench import make_tiny_llama  # the anchors' own builder: same weights, same folder
 
-        make_tiny_llama(args.ckpt, args.vocab, args.layers, args.hidden, args.heads, args.kv_heads, args.mlp)
+        make_tiny_llama(args.ckpt, args.vocab, args.layers, args.hidden, args.heads, args.kv_heads, args.mlp,
+                        experts=args.experts, top_k=args.top_k, moe_mlp=args.moe_mlp)
     return args.ckpt
 
 
