@@ -10,10 +10,19 @@ What it is (one idea a module):
   env.py             Environment protocol (reset / step), ToolEnv (parse, run the tool, score at the end),
                      run_episode, encode_segments (ids + loss mask; tool outputs untrained)
   task.py            tool_arithmetic: long products / sums, seeded disjoint split, verifier, demonstrations
+  rollout.py         run_episodes: batched multi-turn episodes on the shared sampler (Sampler.begin / extend:
+                     the KV cache extended with each tool output, finished episodes leave the batch);
+                     episode_rows (GRPO rows, tool outputs masked), AgenticRollout (GRPO's batch source),
+                     evaluate (held-out accuracy and tool-use rate)
+  config.py          the `env:` and `tools:` sections of `posttrain grpo`; make_env_factory
+  recipe.py          the learning recipe's start: task data and a tiny model SFT-ed to call the calculator
+                     sometimes (benchmarks/agentic.py runs the whole recipe)
 
-What it is not (yet): the batched multi-turn rollout on the shared sampler and its GRPO wiring.
+What it is not: chat-template rendering of tool turns for a real tokenizer's roles (observations are
+appended as text, `render_tool_result`), nor a sandbox for untrusted code (see tools.py).
 """
 
+from posttrain.agentic.config import EnvSection, PythonToolSection, ToolsSection, make_env_factory
 from posttrain.agentic.env import Environment, Episode, ToolEnv, encode_segments, run_episode
 from posttrain.agentic.parsing import (
     FORMATS,
@@ -28,6 +37,14 @@ from posttrain.agentic.parsing import (
     render_tool_result,
     stop_strings,
     tool_message,
+)
+from posttrain.agentic.rollout import (
+    AgenticRollout,
+    SampledEpisode,
+    episode_rows,
+    episode_stats,
+    evaluate,
+    run_episodes,
 )
 from posttrain.agentic.tools import (
     TOOLS,
@@ -49,4 +66,7 @@ __all__ = [
     "stop_strings",
     # environments
     "Environment", "Episode", "ToolEnv", "run_episode", "encode_segments",
+    # batched multi-turn rollouts and their GRPO wiring
+    "run_episodes", "SampledEpisode", "episode_rows", "episode_stats", "AgenticRollout", "evaluate",
+    "EnvSection", "ToolsSection", "PythonToolSection", "make_env_factory",
 ]

@@ -44,6 +44,23 @@ class Completions:
         return [tokenizer.decode(t[:n].tolist()) for t, n in zip(self.tokens, self.lengths)]
 
 
+@dataclasses.dataclass
+class Turn:
+    """Multi-turn sampling between two turns (`Sampler.begin` / `Sampler.extend`): every row's KV
+    cache, kept on device, and per row what the next `extend` needs. Row r here is row r of the
+    Completions returned with it."""
+
+    cache: KVCache  # [R', K, S, H] with R' >= rows (padding rows after the real ones)
+    index: int  # cache.index on the host: the next slot a block or a decode step writes
+    lengths: np.ndarray  # [rows] tokens of each row's sequence so far (prompt + sampled + appended)
+    last: np.ndarray  # [rows] each row's last sampled token (not in the cache: fed with the next block)
+    max_rows: int  # rows of the first turn (a later turn's batch is a power of two up to this)
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+
 def phase_sizes(prompt: int, max_new: int) -> list[int]:
     """Cache sizes of the decode phases: up to 4 equal steps from `prompt` to `prompt + max_new - 1`.
 
@@ -72,6 +89,26 @@ def grow(cache: KVCache, size: int) -> KVCache:
                                branch=None if cache.branch is None else pad(cache.branch, 0, axis=1))
 
 
+def _round_up(x: int, step: int) -> int:
+    return -(-x // step) * step
+
+
+BLOCK_STEP = 16  # appended blocks are padded to a multiple of this many tokens (fewer compiled shapes)
+SLOT_STEP = 64  # a later turn's cache holds a multiple of this many slots
+
+
+def stop_sequence_array(seqs: Sequence[Sequence[int]]) -> Optional[np.ndarray]:
+    """[Q, L] int32 stop sequences, right-aligned, -1 = any token (shorter sequences); None for none."""
+    seqs = [list(map(int, s)) for s in seqs if len(s)]
+    if not seqs:
+        return None
+    L = max(map(len, seqs))
+    out = np.full((len(seqs), L), -1, np.int32)
+    for i, q in enumerate(seqs):
+        out[i, L - len(q):] = q
+    return out
+
+
 def default_buckets(max_len: int) -> tuple[int, ...]:
     b, out = 16, []
     while b < max_len:
@@ -96,6 +133,8 @@ class Sampler:
         self.prefill_rows = 0  # prompt rows prefilled so far (n samples share one)
         self._prefill = jax.jit(self._prefill_fn)
         self._decode = jax.jit(self._decode_fn, static_argnames=("params", "max_new"))
+        self._turn = jax.jit(self._turn_fn, static_argnames=("params", "max_new", "phases"))
+        self._keep = jax.jit(self._keep_fn, static_argnames=("size",))
 
     def update(self, model_or_state) -> None:
         """Use new weights (e.g. after a training step); shapes are unchanged, nothing recompiles."""
@@ -129,20 +168,37 @@ class Sampler:
             cache = dataclasses.replace(cache, k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)),
                                         pos=rep(cache.pos), branch=None if cache.branch is None else rep(cache.branch))
             logits, next_pos = rep(logits), rep(next_pos)
+        return self._decode_loop(model, logits, cache, next_pos, key, stop, max_new_row, params, max_new)[:3]
+
+    def _decode_loop(self, model, logits, cache, next_pos, key, stop, max_new_row, params, max_new, seqs=None,
+                     phases=True):
+        """The decode while_loops from next-token logits [R, V] over `cache` (written from `cache.index`).
+
+        seqs [Q, L] int32 (or None): stop sequences, right-aligned, -1 = any token; a row also stops
+        when its last L sampled tokens match one. phases: grow the cache in phases by max_new - 1 slots
+        (else it must already hold them: one loop). Returns (tokens, logprobs, lengths, cache)."""
         R, P = logits.shape[0], cache.size
+        start = cache.index  # the slot decode step 1 writes (P after a prefill)
         ropes = model.rope_tables(P + max_new)  # every position is < prompt bucket + max_new
 
-        def is_stop(tok):
-            return jnp.any(tok[:, None] == stop, axis=-1)
+        def is_stop(tok, hist):
+            hit = jnp.any(tok[:, None] == stop, axis=-1)
+            if seqs is not None:
+                hit = hit | jnp.any(jnp.all((seqs[None] < 0) | (hist[:, None] == seqs[None]), axis=-1), axis=-1)
+            return hit
+
+        def push(hist, tok):  # the last L sampled tokens of each row (stop sequences only)
+            return None if hist is None else jnp.concatenate([hist[:, 1:], tok[:, None]], axis=1)
 
         tok, lp = select(logits, jax.random.fold_in(key, 0), params)
+        hist = None if seqs is None else push(jnp.full((R, seqs.shape[1]), -1, jnp.int32), tok)
         out_tok = jnp.full((R, max_new), self.pad_id, jnp.int32).at[:, 0].set(tok)
         out_lp = jnp.zeros((R, max_new), jnp.float32).at[:, 0].set(lp)
-        done = is_stop(tok) | (max_new_row <= 1)
-        carry = (jnp.int32(1), tok, next_pos, cache, done, out_tok, out_lp, jnp.ones((R,), jnp.int32))
+        done = is_stop(tok, hist) | (max_new_row <= 1)
+        carry = (jnp.int32(1), tok, next_pos, cache, done, out_tok, out_lp, jnp.ones((R,), jnp.int32), hist)
 
         def body(c):
-            i, tok, pos, cache, done, out_tok, out_lp, lengths = c
+            i, tok, pos, cache, done, out_tok, out_lp, lengths, hist = c
             out = model(tok[:, None], pos[:, None], cache=cache, return_hidden=True, return_logits=False,
                         rope_tables=ropes)
             logits = model.unembed(out.hidden[-1])[:, 0]
@@ -152,20 +208,51 @@ class Sampler:
             out_tok = jax.lax.dynamic_update_slice(out_tok, new[:, None], (0, i))
             out_lp = jax.lax.dynamic_update_slice(out_lp, lp[:, None], (0, i))
             lengths = lengths + (~done).astype(jnp.int32)
-            done = done | is_stop(new) | (i + 1 >= max_new_row)
-            return i + 1, new, pos + 1, out.cache, done, out_tok, out_lp, lengths
+            hist = push(hist, new)
+            done = done | is_stop(new, hist) | (i + 1 >= max_new_row)
+            return i + 1, new, pos + 1, out.cache, done, out_tok, out_lp, lengths, hist
 
-        # Step i writes cache slot P + i - 1. The cache grows in phases, so attention (which reads
+        # Step i writes cache slot start + i - 1. The cache grows in phases, so attention (which reads
         # every slot of the cache) reads about the filled part only: one while_loop per phase.
-        for size in phase_sizes(P, max_new):
+        for size in phase_sizes(P, max_new) if phases else (P,):
             carry = carry[:3] + (grow(carry[3], size),) + carry[4:]
-            last = size - P + 1  # steps this phase's cache can hold
+            last = size - start + 1  # steps this phase's cache can hold
 
             def cond(c, last=last):
-                return (c[0] < min(max_new, last)) & ~jnp.all(c[4])
+                return (c[0] < jnp.minimum(max_new, last)) & ~jnp.all(c[4])
 
             carry = jax.lax.while_loop(cond, body, carry)
-        return carry[5], carry[6], carry[7]  # tokens, logprobs, lengths
+        return carry[5], carry[6], carry[7], carry[3]  # tokens, logprobs, lengths, cache
+
+    def _keep_fn(self, cache, rows, *, size):
+        """Rows `rows` of the cache, grown to `size` slots: the rows that go on to the next turn, with room
+        for it."""
+        take = functools.partial(jnp.take, indices=rows, axis=0)
+        cache = dataclasses.replace(cache, k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)),
+                                    pos=take(cache.pos), branch=None if cache.branch is None else take(cache.branch))
+        return grow(cache, size)
+
+    def _turn_fn(self, state, cache, head, key, stop, max_new_row, seqs, *, params, max_new, phases):
+        """One turn of multi-turn sampling on a cache whose rows are the turn's rows (`_keep`): prefill the
+        appended block at its positions onto the cache (or, the first turn, take the prefill's logits of
+        rows head["rows"]), then decode; the slots each row wrote at and after its last sampled token are
+        emptied (a stopped row keeps feeding padding until the loop ends)."""
+        with use_mesh(self.mesh, self.rules):
+            self.traces["turn"] += 1
+            model = nnx.merge(self.graphdef, state)
+            if "tokens" in head:
+                out = model(head["tokens"], head["positions"], cache=cache, segment_ids=head["segments"],
+                            return_hidden=True, return_logits=False)
+                logits, cache = model.unembed(out.hidden[-1][:, -1:])[:, 0], out.cache
+                next_pos = head["positions"][:, -1] + 1  # blocks are left-padded: the last slot is real
+            else:
+                logits, next_pos = jnp.take(head["logits"], head["rows"], 0), jnp.take(head["next_pos"], head["rows"])
+            start = cache.index
+            tokens, logps, lengths, cache = self._decode_loop(model, logits, cache, next_pos, key, stop, max_new_row,
+                                                              params, max_new, seqs, phases)
+            slot = jnp.arange(cache.size, dtype=jnp.int32)
+            cache = dataclasses.replace(cache, pos=jnp.where(slot[None] >= start + lengths[:, None] - 1, -1, cache.pos))
+            return tokens, logps, lengths, cache
 
     # --------------------------------------------------------------------------------- public
 
@@ -222,3 +309,113 @@ class Sampler:
         reasons = ["stop" if (s == t).any() else "length" for s, t in zip(stops, last)]
         return Completions(np.asarray(out_tok), np.asarray(out_lp), np.asarray(lengths), reasons,
                            np.repeat(np.arange(B), n))
+
+    # --------------------------------------------------------------------------------- multi-turn
+
+    def _stops(self, params: SamplingParams, R: int):
+        width = max(1, len(params.stop_ids))
+        stop = np.full((R, width), -1, np.int32)
+        stop[:, :len(params.stop_ids)] = params.stop_ids
+        return stop
+
+    def _finish(self, out, rows: int, seqs, params: SamplingParams):
+        tokens, logps, lengths, cache = out
+        tokens, logps, lengths, index = jax.device_get((tokens, logps, lengths, cache.index))
+        tokens, logps, lengths = (np.asarray(x[:rows]) for x in (tokens, logps, lengths))
+        reasons = []
+        for t, n in zip(tokens, lengths):
+            hit = int(t[n - 1]) in params.stop_ids or any(
+                n >= len(q) and all(q[j] < 0 or q[j] == t[n - len(q) + j] for j in range(len(q))) for q in
+                (seqs if seqs is not None else ()))
+            reasons.append("stop" if hit else "length")
+        return tokens, logps, lengths, reasons, cache, int(index)
+
+    def begin(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None, *,
+              key: Optional[jax.Array] = None, stop_sequences: Sequence[Sequence[int]] = (),
+              max_new_tokens: Optional[Sequence[int]] = None) -> tuple[Completions, Turn]:
+        """The first turn of multi-turn sampling: `generate` (each prompt prefilled once, its cache shared
+        by its `params.n` samples; per-row `max_new_tokens`, one per prompt) that also stops a row at any of
+        `stop_sequences` (token-id sequences, kept in the output, e.g. the ids of "</tool_call>") and keeps
+        the cache: continue with `extend`."""
+        params = SamplingParams() if params is None else params
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise PosttrainError("begin: give at least one prompt, each of at least one token")
+        B, M, n = len(prompts), params.max_new_tokens, params.n
+        longest = max(len(p) for p in prompts)
+        if longest + M > self.max_len:
+            raise PosttrainError(f"begin: prompt of {longest} tokens + max_new_tokens {M} exceeds the cache limit "
+                                 f"max_len={self.max_len}")
+        P = self.bucket(longest)
+        toks, segs, pos = (np.full((B, P), self.pad_id, np.int32), np.zeros((B, P), np.int32),
+                           np.zeros((B, P), np.int32))
+        for i, p in enumerate(prompts):
+            toks[i, P - len(p):], segs[i, P - len(p):], pos[i, P - len(p):] = p, 1, np.arange(len(p))
+        lens = np.array([len(p) for p in prompts], np.int32)
+        row_max = np.full((B,), M, np.int32) if max_new_tokens is None else np.asarray(max_new_tokens, np.int32)
+        if row_max.shape != (B,) or (row_max <= 0).any() or (row_max > M).any():
+            raise PosttrainError(f"begin: per-prompt max_new_tokens must be {B} values in [1, {M}]")
+        seqs = stop_sequence_array(stop_sequences)
+        key = jax.random.key(0) if key is None else key
+        logits, cache = self._prefill(self.state, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs))
+        self.prefill_rows += B
+        rows = np.repeat(np.arange(B, dtype=np.int32), n)  # each prompt's prefill shared by its n samples
+        cache = self._keep(cache, jnp.asarray(rows), size=P)
+        head = {"logits": logits, "next_pos": jnp.asarray(lens), "rows": jnp.asarray(rows)}
+        out = self._turn(self.state, cache, head, key, jnp.asarray(self._stops(params, B * n)),
+                         jnp.asarray(np.repeat(row_max, n)), None if seqs is None else jnp.asarray(seqs),
+                         params=dataclasses.replace(params, n=1), max_new=M, phases=True)
+        tokens, logps, lengths, reasons, cache, index = self._finish(out, B * n, seqs, params)
+        turn = Turn(cache, index, lens[rows] + lengths, tokens[np.arange(B * n), lengths - 1], B * n)
+        return Completions(tokens, logps, lengths, reasons, rows), turn
+
+    def extend(self, turn: Turn, rows: Sequence[int], appended: Sequence[Sequence[int]],
+               params: Optional[SamplingParams] = None, *, key: Optional[jax.Array] = None,
+               stop_sequences: Sequence[Sequence[int]] = (),
+               max_new_tokens: Optional[Sequence[int]] = None) -> tuple[Completions, Turn]:
+        """The next turn: rows `rows` of `turn` (indices; the others are dropped) continue, each after its
+        `appended` tokens (e.g. a tool's output). Their cache is EXTENDED, never recomputed: one jitted
+        call keeps the rows' caches, prefills [last sampled token | appended tokens] of each row at its
+        positions onto them, and decodes (per-row `max_new_tokens`). The batch is a power of two of rows
+        (at least 8, at most the first turn's), padded with rows that stop at once; the appended block is
+        padded to a multiple of BLOCK_STEP tokens; the cache keeps its size while the turn fits and else
+        grows to a multiple of SLOT_STEP slots: few compiled shapes, reused turn after turn.
+        Returns the new Completions (prompt_index = the row of `turn` each continues) and Turn."""
+        params = SamplingParams() if params is None else params
+        if params.n != 1:
+            raise PosttrainError("extend: params.n must be 1 (each row continues one sequence)")
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        if len(rows) == 0 or len(appended) != len(rows) or rows.min() < 0 or rows.max() >= turn.rows:
+            raise PosttrainError(f"extend: give one appended token list per kept row, rows in [0, {turn.rows})")
+        M, k = params.max_new_tokens, len(rows)
+        row_max = np.full((k,), M, np.int32) if max_new_tokens is None else np.asarray(max_new_tokens, np.int32)
+        if row_max.shape != (k,) or (row_max <= 0).any() or (row_max > M).any():
+            raise PosttrainError(f"extend: per-row max_new_tokens must be {k} values in [1, {M}]")
+        blocks = [[int(turn.last[r])] + list(map(int, a)) for r, a in zip(rows, appended)]
+        ends = np.array([turn.lengths[r] + len(b) - 1 + m for r, b, m in zip(rows, blocks, row_max)])
+        if ends.max() > self.max_len:
+            raise PosttrainError(f"extend: a row would reach {int(ends.max())} tokens, more than the sampler's "
+                                 f"max_len={self.max_len}; lower the budget or build the Sampler with a larger max_len")
+        R = min(turn.max_rows, max(8, 1 << (k - 1).bit_length()))
+        R = max(R, k)
+        W = _round_up(max(map(len, blocks)), BLOCK_STEP)
+        toks, segs, pos = (np.full((R, W), self.pad_id, np.int32), np.zeros((R, W), np.int32),
+                           np.zeros((R, W), np.int32))
+        for j, (r, b) in enumerate(zip(rows, blocks)):
+            toks[j, W - len(b):], segs[j, W - len(b):] = b, 1
+            pos[j, W - len(b):] = turn.lengths[r] - 1 + np.arange(len(b))
+        keep = np.zeros((R,), np.int32)
+        keep[:k] = rows
+        row_max = np.concatenate([row_max, np.ones((R - k,), np.int32)])  # padding rows stop at once
+        seqs = stop_sequence_array(stop_sequences)
+        key = jax.random.key(0) if key is None else key
+        # the cache keeps its size while the turn fits (one compiled turn for every turn of that size) and
+        # grows by SLOT_STEP slots when it does not: the block, then up to M - 1 decode writes
+        size = max(turn.cache.size, _round_up(turn.index + W + M - 1, SLOT_STEP))
+        cache = self._keep(turn.cache, jnp.asarray(keep), size=size)
+        head = {"tokens": jnp.asarray(toks), "positions": jnp.asarray(pos), "segments": jnp.asarray(segs)}
+        out = self._turn(self.state, cache, head, key, jnp.asarray(self._stops(params, R)), jnp.asarray(row_max),
+                         None if seqs is None else jnp.asarray(seqs), params=params, max_new=M, phases=False)
+        tokens, logps, lengths, reasons, cache, index = self._finish(out, k, seqs, params)
+        new_len = np.array([turn.lengths[r] + len(b) - 1 for r, b in zip(rows, blocks)]) + lengths
+        turn = Turn(cache, index, new_len, tokens[np.arange(k), lengths - 1], turn.max_rows)
+        return Completions(tokens, logps, lengths, reasons, rows), turn

@@ -17,6 +17,12 @@ completion's last number as a fallback; format with grpo.format_pattern; overlon
 grpo.reward_model)
 or any "package.module:function" with TRL's signature `(prompts, completions, **columns)`.
 
+With `env.enabled` (posttrain/agentic) a sample is a multi-turn episode instead: the model calls the
+`tools:` (calculator, python, ...) in the `env.format`, each call's output is appended to the
+episode's KV cache and generation continues, up to `env.max_turns` actions and `env.max_tokens`
+tokens; `env.verifier` scores the final action (the episode's reward; grpo.rewards is not used);
+tool-output tokens are context, never targets of the loss (`agentic.AgenticRollout`).
+
 What it is not: PPO (no critic), or a server-based (vLLM) rollout.
 """
 
@@ -32,6 +38,8 @@ from flax import nnx
 
 from posttrain import config as C
 from posttrain import rewards as R
+from posttrain.agentic.config import EnvSection, ToolsSection, make_env_factory
+from posttrain.agentic.rollout import AgenticRollout
 from posttrain.data.prompts import load_prompts
 from posttrain.errors import PosttrainError
 from posttrain.generate import Sampler, SamplingParams
@@ -118,7 +126,18 @@ class GRPOConfig:
     metrics: C.MetricsSection = dataclasses.field(default_factory=C.MetricsSection)  # metric sinks, MFU
     profile: C.ProfileSection = dataclasses.field(default_factory=C.ProfileSection)  # JAX profiler window
     sharding: C.ShardingSection = dataclasses.field(default_factory=C.ShardingSection)  # device mesh
+    env: EnvSection = dataclasses.field(default_factory=EnvSection)  # multi-turn tool episodes; off by default
+    tools: ToolsSection = dataclasses.field(default_factory=ToolsSection)  # the tools episodes may call
     run_dir: str = "runs/grpo"  # folder for checkpoints, logs and the saved config
+
+    def __post_init__(self):
+        if self.env.enabled:
+            if self.grpo.rewards != {"math_answer": 1.0}:
+                raise PosttrainError("grpo.rewards is not used with env.enabled (env.verifier scores each episode); "
+                                     "remove it or set env.verifier")
+            if self.grpo.dynamic_sampling or self.grpo.overlong_cache:
+                raise PosttrainError("grpo.dynamic_sampling and grpo.overlong_cache are not supported with "
+                                     "env.enabled; turn them off")
 
 
 def reward_functions(g: GRPOSection, tok) -> tuple[list, list[float]]:
@@ -177,17 +196,24 @@ class GRPOTrainer:
         self.prompts, self.data_stats = load_prompts(c.data.train, self.tokenizer,
                                                      max_prompt_length=c.data.max_prompt_length,
                                                      skip_bad_rows=c.data.skip_bad_rows)
-        self.reward_funcs, self.reward_weights = reward_functions(c.grpo, self.tokenizer)
         g = c.grpo
+        self.agentic = c.env.enabled
+        if self.agentic:  # episodes: the env's verifier is the reward; a row slot holds a whole episode
+            self.make_env = make_env_factory(c.env, c.tools)
+            self.reward_funcs, self.reward_weights, width, what = [], [], c.env.max_tokens, "env.max_tokens"
+        else:
+            self.reward_funcs, self.reward_weights = reward_functions(c.grpo, self.tokenizer)
+            width, what = g.max_new_tokens, "grpo.max_new_tokens"
+        self.width = width  # tokens after the prompt per sample: the score slot width of a group row
         up = lambda x: -(-x // 8) * 8  # noqa: E731
-        self.length = up(max(len(p.ids) for p in self.prompts) + g.num_generations * g.max_new_tokens)
+        self.length = up(max(len(p.ids) for p in self.prompts) + g.num_generations * width)
         self.mesh, self.rules = build_mesh(c.sharding)
         self.model = build_model(c.model, self.tokenizer, c.lora, self.mesh, self.rules)
-        if c.data.max_prompt_length + g.max_new_tokens > self.model.cfg.max_position:
-            raise PosttrainError(f"data.max_prompt_length + grpo.max_new_tokens exceeds the model's maximum position "
+        if c.data.max_prompt_length + width > self.model.cfg.max_position:
+            raise PosttrainError(f"data.max_prompt_length + {what} exceeds the model's maximum position "
                                  f"{self.model.cfg.max_position}")
         self.trainable = LoraParam if c.lora.enabled else nnx.Param
-        self.loss_fn = make_grpo_loss(num_generations=g.num_generations, max_new_tokens=g.max_new_tokens,
+        self.loss_fn = make_grpo_loss(num_generations=g.num_generations, max_new_tokens=width,
                                       temperature=g.temperature, loss_type=g.loss_type, epsilon_low=g.epsilon_low,
                                       epsilon_high=g.epsilon_high, beta=g.beta, delta=g.delta,
                                       importance_sampling_level=g.importance_sampling_level,
@@ -204,16 +230,21 @@ class GRPOTrainer:
                               trainable=self.trainable, mesh=self.mesh, rules=self.rules)
         # one prompt bucket (the longest prompt's): prefill and decode compile once for the whole run
         longest = max(len(p.ids) for p in self.prompts)
-        sampler = Sampler(self.model, max_len=c.data.max_prompt_length + g.max_new_tokens, pad_id=tok.pad_id,
+        sampler = Sampler(self.model, max_len=c.data.max_prompt_length + self.width, pad_id=tok.pad_id,
                           mesh=self.mesh, rules=self.rules, buckets=(longest,))
         params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                 top_k=g.top_k, n=g.num_generations, stop_ids=tok.eos_ids)
-        rollout = GroupRollout(self.prompts, tok, sampler, graphdef, batch_size=c.train.batch_size,
-                               n=g.num_generations, params=params, reward_funcs=self.reward_funcs,
-                               reward_weights=self.reward_weights, length=self.length, seed=c.data.seed,
-                               shuffle=c.data.shuffle, num_iterations=g.num_iterations, scale=g.scale_rewards,
-                               reward_timeout_s=g.reward_timeout_s, on_reward_error=g.on_reward_error,
-                               dynamic_sampling=g.dynamic_sampling, max_refills=g.max_refills)
+        common = dict(batch_size=c.train.batch_size, n=g.num_generations, params=params, length=self.length,
+                      seed=c.data.seed, shuffle=c.data.shuffle, num_iterations=g.num_iterations, scale=g.scale_rewards)
+        if self.agentic:
+            rollout = AgenticRollout(self.prompts, tok, sampler, graphdef, make_env=self.make_env,
+                                     max_tokens=c.env.max_tokens, max_turns=c.env.max_turns, fmt=c.env.format,
+                                     workers=c.env.tool_workers, **common)
+        else:
+            rollout = GroupRollout(self.prompts, tok, sampler, graphdef, reward_funcs=self.reward_funcs,
+                                   reward_weights=self.reward_weights, reward_timeout_s=g.reward_timeout_s,
+                                   on_reward_error=g.on_reward_error, dynamic_sampling=g.dynamic_sampling,
+                                   max_refills=g.max_refills, **common)
         return dict(graphdef=graphdef, state=state, raw_step=raw, step=lambda s, b: raw(s, b, frozen),
                     frozen=frozen, rollout=rollout, sampler=sampler)
 
@@ -224,7 +255,10 @@ class GRPOTrainer:
         parts = self.setup()
         summary = (f"[grpo] {len(self.prompts)} prompts ({self.data_stats}), {g.num_generations} samples x "
                    f"{g.max_new_tokens} tokens each, rows of {self.length} tokens, {n_params:,} parameters, "
-                   f"trainable {frac:.2%}, loss {g.loss_type}, beta {g.beta}, rewards {dict(g.rewards)}")
+                   f"trainable {frac:.2%}, loss {g.loss_type}, beta {g.beta}, "
+                   + (f"episodes of {c.env.max_turns} turns / {c.env.max_tokens} tokens, tools "
+                      f"{', '.join(c.tools.names)}, verifier {c.env.verifier}" if self.agentic
+                      else f"rewards {dict(g.rewards)}"))
         flops = model_flops_per_token(self.model.cfg, self.length) * (4 / 3 if g.beta else 1.0)
         state, result = run_trainer(c, parts["state"], parts["step"], parts["rollout"], name="grpo", mesh=self.mesh,
                                     rules=self.rules, summary=summary, progress=self.progress,
