@@ -59,7 +59,9 @@ def memory_plan(c, model_cfg, mesh_shape: dict) -> dict:
     """`plan.plan` for a training config: one micro-batch, the config's preset, LoRA and remat."""
     if hasattr(c, "grpo") or hasattr(c, "ppo"):  # an RL row: the prompt once, then its n completions
         rl = c.grpo if hasattr(c, "grpo") else c.ppo  # (PPO's critic, a second model, is not counted)
-        seq = c.data.max_prompt_length + rl.num_generations * rl.max_new_tokens
+        env = getattr(c, "env", None)  # an agentic episode takes up to env.max_tokens slots of its row
+        width = env.max_tokens if env is not None and env.enabled else rl.max_new_tokens
+        seq = c.data.max_prompt_length + rl.num_generations * width
     elif hasattr(c, "dpo") or hasattr(c, "rm"):  # a pair row [prompt | chosen | rejected]: at most
         seq = 2 * c.data.max_length - 1  # prompt + the longer answer, plus the other answer
     else:
