@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(VPY) -m posttrain.cli demo
 
 test: $(STAMP) browser
-	$(VPY) -m pytest -q -n 2 --durations=25
+	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # tests/test_report.py opens the run report in a headless browser: Debian's chromium, installed when missing.
 browser:

@@ -17,6 +17,9 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 # the program, the flags and the JAX version; a cache hit is the same executable.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"posttrain-jax-cache-{os.environ.get('PYTEST_XDIST_TESTRUNUID') or os.getpid()}"))
+# Every program, not only those that compile for over a second (JAX's default): the random initialisers
+# compile once per parameter shape (0.4-2 s each) and the subprocess tests build the same models again.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import sys  # noqa: E402
 
@@ -111,6 +114,20 @@ def sft_addition(tmp_path_factory, worker_id):
             out.mkdir(exist_ok=True)
             _sft_to_partial_accuracy(str(out))
     return str(out / "hf")
+
+
+# The files that take longest, longest first. `make test` gives whole files to its two workers in this
+# order (`--dist loadfile --no-loadscope-reorder`: a module's fixtures are built once), so the long ones
+# start first and neither worker finishes minutes after the other. Order from `--durations=0`.
+LONGEST_FIRST = ["test_docs.py", "test_distill.py", "test_ppo.py", "test_grpo.py", "test_cli.py", "test_dpo.py",
+                 "test_attention.py", "test_resume.py", "test_branches.py", "test_moe.py", "test_agentic_rollout.py",
+                 "test_gemma4.py", "test_multiprocess_sft.py", "test_sharding.py", "test_models.py",
+                 "test_pipeline.py", "test_generate.py", "test_reward_model.py"]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
 
 
 def pytest_sessionfinish(session):
