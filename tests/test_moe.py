@@ -201,7 +201,7 @@ def test_train_step_adds_transformers_aux_loss(moe_checkpoints):
 
     m = step_metrics(0.5, 0.1)
     assert abs(float(m["router_aux_loss"]) - ref) <= 1e-6
-    assert abs(float(m["router_z_loss"]) - z) <= 1e-6
+    assert abs(float(m["router_z_loss"]) - z) <= 1e-6 * abs(z)  # z ~ 19: relative (a step and a forward round apart)
     load = np.array([float(m[f"expert_load_{e}"]) for e in range(4)])
     assert abs(load.mean() - 1.0) <= 1e-6  # shares x E: mean 1
     m0 = step_metrics(0.0, 0.0)  # "loss" stays the task's loss; the router losses only add gradient
