@@ -24,7 +24,7 @@ def _generate(args) -> None:
     if not args.prompt.strip():
         raise PosttrainError("--prompt is empty; give the text to continue")
     tok = Tokenizer.from_pretrained(args.model)
-    model = from_pretrained(args.model, dtype=args.dtype)
+    model = from_pretrained(args.model, dtype=args.dtype, text_only=args.text_only)
     if args.chat:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     else:
@@ -80,7 +80,7 @@ def _plan(args) -> None:
     cfg = C.load(run_config_class(args.config), args.config, args.overrides)
     mc = cfg.model
     if mc.path:  # the same ModelConfig the trainer builds
-        model_cfg = load_config(mc.path).replace(param_dtype=mc.dtype, dtype=mc.compute_dtype or mc.dtype)
+        model_cfg = load_config(mc.path, mc.text_only).replace(param_dtype=mc.dtype, dtype=mc.compute_dtype or mc.dtype)
     else:
         model_cfg = preset_config(mc, build_tokenizer(mc))
     shape = dict(cfg.sharding.mesh_shape) if cfg.sharding.mesh_shape else None
@@ -139,6 +139,8 @@ def _demo(args) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="posttrain", description="Post-training of language models in JAX.")
+    ap.add_argument("--debug", action="store_true",
+                    help="on an input error, print its traceback too (give it first: posttrain --debug sft ...)")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="sample continuations from a Hugging Face checkpoint folder")
     g.add_argument("--model", required=True, help="local HF checkpoint folder (config.json, safetensors, tokenizer)")
@@ -151,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="float32", help="parameter dtype: float32 | bfloat16")
+    g.add_argument("--text-only", action="store_true", help="a multimodal Gemma 4 folder: its text model only")
     g.set_defaults(func=_generate)
     for name, (_, _, _, helptext) in TRAINERS.items():
         t = sub.add_parser(name, help=helptext)
@@ -201,6 +204,10 @@ def main(argv=None) -> int:
             init_distributed(auto=True)  # before any other JAX call
         args.func(args)
     except PosttrainError as e:
+        if args.debug:  # where it was raised, for a bug report; without --debug the message alone
+            import traceback
+
+            traceback.print_exc()
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -267,6 +267,9 @@ class ModelSection:
     compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     remat: bool = False  # rematerialise each layer in the backward pass (less memory, ~30% more compute)
     seed: int = 0  # PRNG seed for preset initialisation; default 0
+    # model.path is a multimodal Gemma 4 folder (model_type gemma4): load its text model only (the
+    # vision and audio towers are not supported); default false
+    text_only: bool = False
 
     def __post_init__(self):
         if (self.path is None) == (self.preset is None):

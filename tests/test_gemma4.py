@@ -188,7 +188,12 @@ def test_presets_count_like_transformers(name):
 def test_multimodal_folder_loads_its_text_model_only_when_asked(ckpts, tmp_path):
     """A `gemma4` folder (vision tower + the "dense" text model) is an error naming the key unless
     text_only=True; then its text model equals transformers' on text."""
+    import types
+
     from transformers import AutoModelForCausalLM, Gemma4Config, Gemma4ForConditionalGeneration
+
+    from posttrain.config import ModelSection
+    from posttrain.trainers.sft import build_model
 
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=8)
@@ -201,9 +206,14 @@ def test_multimodal_folder_loads_its_text_model_only_when_asked(ckpts, tmp_path)
     mm.save_pretrained(path)
     with pytest.raises(PosttrainError, match=r"model_type 'gemma4'.*vision_config.*text_only=True"):
         from_pretrained(path)
+    with pytest.raises(PosttrainError, match=r"model.text_only: true in a run config"):
+        build_model(ModelSection(path=path), types.SimpleNamespace(vocab_size=V))
     model = from_pretrained(path, text_only=True)
     ref = _hf_logits(path, Gemma4ForConditionalGeneration)
     assert _max_valid_diff(_ours(model), ref) <= 1e-4
+    # the run-config key: every trainer builds its model through build_model
+    via_config = build_model(ModelSection(path=path, text_only=True), types.SimpleNamespace(vocab_size=V))
+    assert _max_valid_diff(_ours(via_config), ref) <= 1e-4
     assert _max_valid_diff(ref, _hf_logits(ckpts["dense"])) <= 1e-6  # the same text model
 
 

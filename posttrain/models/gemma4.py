@@ -33,9 +33,8 @@ def multimodal_error(cfg_file: str, raw: dict) -> PosttrainError:
     towers = [k for k in ("vision_config", "audio_config") if raw.get(k)] or ["text_config"]
     return PosttrainError(
         f"{cfg_file}: model_type 'gemma4' is a multimodal Gemma 4 folder ({' and '.join(towers)}); its vision and "
-        "audio towers are not supported. Load its text model explicitly: posttrain.models.from_pretrained(path, "
-        "text_only=True), or write a text-only folder once with save_pretrained(from_pretrained(path, "
-        "text_only=True), path + '-text') and use that")
+        "audio towers are not supported. Load its text model explicitly: model.text_only: true in a run config, "
+        "--text-only for posttrain generate, or posttrain.models.from_pretrained(path, text_only=True)")
 
 
 def config_fields(hf, where: str) -> dict:

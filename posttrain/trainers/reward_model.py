@@ -98,7 +98,7 @@ def build_reward_model(c: RMConfig, tok, mesh=None, rules=None) -> nnx.Module:
     mc = c.model
     if mc.path and _is_classifier(mc.path):
         model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules,
-                                head="score")
+                                head="score", text_only=mc.text_only)
         model.cfg = model.cfg.replace(remat=mc.remat)
         if c.lora.enabled:
             apply_lora(model, rank=c.lora.rank, alpha=c.lora.alpha, dropout=c.lora.dropout, targets=c.lora.targets,

@@ -24,7 +24,7 @@ from posttrain import sharding as sh
 from posttrain.data import batches, load_examples, to_arrays
 from posttrain.errors import PosttrainError
 from posttrain.losses import sft_loss
-from posttrain.models import Transformer, count_params, from_pretrained, preset, save_pretrained
+from posttrain.models import Transformer, count_params, from_pretrained, load_config, preset, save_pretrained
 from posttrain.models.lora import LoraParam, apply_lora, merge_lora, trainable_fraction
 from posttrain.plan import format_plan, plan
 from posttrain.tokenizer import Tokenizer, byte_tokenizer
@@ -35,6 +35,8 @@ from posttrain.train.serialize import load_state
 
 
 def build_tokenizer(mc) -> Tokenizer:
+    if mc.path:  # the model folder first: a missing folder or a broken config.json is named as such
+        load_config(mc.path, mc.text_only)
     if mc.tokenizer:
         return Tokenizer.from_pretrained(mc.tokenizer)
     if mc.path:
@@ -77,7 +79,8 @@ def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None) -> nnx.Mod
 
     With a mesh the weights are created / loaded directly sharded."""
     if mc.path:
-        model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules)
+        model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules,
+                                text_only=mc.text_only)
         model.cfg = model.cfg.replace(remat=mc.remat)
     else:
         cfg = preset_config(mc, tok)
@@ -206,7 +209,7 @@ def load_run(run_dir: str):
         from posttrain.trainers.distill import ProjectionParam, attach_projection
 
         t = config.teacher
-        attach_projection(model, (load_config(t.path) if t.path else preset_config(t, tok)).embed_dim)
+        attach_projection(model, (load_config(t.path, t.text_only) if t.path else preset_config(t, tok)).embed_dim)
         trainable = nnx.Any(trainable, ProjectionParam)
     graphdef, params, rest = nnx.split(model, trainable, ...)
     params = load_state(os.path.join(run_dir, WEIGHTS), params)
