@@ -327,7 +327,12 @@ def _apply_overrides(data: dict, overrides: Sequence[str]) -> None:
             raise PosttrainError(f"command line: override {item!r} has no '='; expected key=value, e.g. "
                                  "sft.train.steps=100")
         dotted, raw = (x.strip() for x in item.split("=", 1))
-        value = yaml.safe_load(raw) if raw else None
+        try:
+            value = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError as e:
+            raise PosttrainError(f"command line: cannot parse the value of {item!r} as YAML "
+                                 f"({getattr(e, 'problem', None) or e}); quote strings that contain YAML syntax, "
+                                 "e.g. key='a: b'") from None
         head, *rest = dotted.split(".")
         if head in names and rest:
             node = names[head]

@@ -12,6 +12,7 @@ import os
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from posttrain.errors import PosttrainError
@@ -37,7 +38,11 @@ def load_state(path: str, like: nnx.State) -> nnx.State:
     """Values from `path` placed into a copy of the structure `like` (shapes must match)."""
     if not os.path.isfile(path):
         raise PosttrainError(f"{path}: weights file is missing; was the run finished?")
-    data = load_file(path)
+    try:
+        data = load_file(path)
+    except (SafetensorError, OSError) as e:  # a torn or foreign file (header, sizes)
+        raise PosttrainError(f"{path}: not a readable safetensors file ({e}); the file is corrupt or truncated, "
+                             "copy it again or train the run again") from None
     flat = []
     for p, v in nnx.to_flat_state(like):
         k = _key(p)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import math
 from typing import Literal, Optional
 
@@ -140,8 +141,26 @@ class GRPOConfig:
                                      "env.enabled; turn them off")
 
 
-def reward_functions(g: GRPOSection, tok) -> tuple[list, list[float]]:
-    """(functions, weights) named by grpo.rewards; unknown names are config errors."""
+def _check_signature(fn, name: str, columns) -> None:
+    """A 'module:function' reward must take what the runner passes it (prompts, completions, completion_ids
+    and the data columns, as keywords); otherwise every call would fail, zeroed, and the run learn nothing."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the runner counts its failures
+        return
+    bind = sig.bind if columns is not None else sig.bind_partial  # columns unknown: no "missing argument"
+    try:
+        bind(**dict.fromkeys(["prompts", "completions", "completion_ids", *(columns or ())]))
+    except TypeError as err:
+        raise PosttrainError(f"grpo.rewards: {name!r} cannot take a reward function's arguments ({err}); it is "
+                             "called as f(prompts=..., completions=..., completion_ids=..., **data columns"
+                             f" ({', '.join(columns or ()) or 'none'})), so define it as def f(prompts, completions, "
+                             "**kwargs)") from None
+
+
+def reward_functions(g: GRPOSection, tok, columns=None) -> tuple[list, list[float]]:
+    """(functions, weights) named by grpo.rewards; unknown names are config errors. `columns`: the data
+    columns the functions get (an imported function's signature is checked against them; None: unknown)."""
     funcs = []
     for name in g.rewards:
         if name == "math_answer":
@@ -169,6 +188,7 @@ def reward_functions(g: GRPOSection, tok) -> tuple[list, list[float]]:
                                      "'package.module:function'") from None
             if not callable(fn):
                 raise PosttrainError(f"grpo.rewards: {name!r} is not a function")
+            _check_signature(fn, name, columns)
             funcs.append(fn)
         else:
             raise PosttrainError(f"grpo.rewards: unknown reward {name!r}; use math_answer, last_number, countdown, "
@@ -202,7 +222,8 @@ class GRPOTrainer:
             self.make_env = make_env_factory(c.env, c.tools)
             self.reward_funcs, self.reward_weights, width, what = [], [], c.env.max_tokens, "env.max_tokens"
         else:
-            self.reward_funcs, self.reward_weights = reward_functions(c.grpo, self.tokenizer)
+            self.reward_funcs, self.reward_weights = reward_functions(
+                c.grpo, self.tokenizer, sorted({k for q in self.prompts for k in q.columns}))
             width, what = g.max_new_tokens, "grpo.max_new_tokens"
         self.width = width  # tokens after the prompt per sample: the score slot width of a group row
         up = lambda x: -(-x // 8) * 8  # noqa: E731
