@@ -19,7 +19,6 @@ from pathlib import Path
 import jinja2
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as RawTokenizer
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from posttrain.errors import PosttrainError
 
@@ -67,6 +66,8 @@ class Tokenizer:
                 f"{', '.join(TOKENIZER_FILES)}); copy them from the model's release or write them "
                 f"with Tokenizer.save_pretrained"
             )
+        from transformers import AutoTokenizer  # here, not at import: transformers imports torch (seconds)
+
         try:
             hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         except Exception as err:  # only transformers parsing the user's files runs here
@@ -185,6 +186,8 @@ def byte_tokenizer() -> Tokenizer:
     )
     # Registered as special so "<|end|>" in a rendered chat is one token, not 7 bytes.
     raw.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in BYTE_SPECIALS])
+    from transformers import PreTrainedTokenizerFast  # here, not at import: transformers imports torch
+
     hf = PreTrainedTokenizerFast(
         tokenizer_object=raw,
         bos_token="<bos>",
