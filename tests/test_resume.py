@@ -167,3 +167,28 @@ class _NaNIter:
 
     def set_state(self, s):
         self.it.set_state(s)
+
+
+def test_a_second_process_on_the_run_folder_is_refused_and_a_killed_holder_leaves_no_lock(tmp_path, capsys):
+    """While one process trains in a run folder another is refused (exit 2, naming the holder's pid,
+    nothing written); SIGKILL of the holder frees the folder (the kernel drops its lock)."""
+    from posttrain.cli import main
+    from posttrain.train.lifecycle import RunLock
+
+    run = tmp_path / "run"
+    hold = ("import sys, time\nfrom posttrain.train.lifecycle import RunLock\nlock = RunLock(sys.argv[1])\n"
+            "print('locked', flush=True)\ntime.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(run)], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=os.path.dirname(HERE)))
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        cfg = tmp_path / "empty.yaml"
+        cfg.write_text("")
+        assert main(["sft", "--config", str(cfg), f"run_dir={run}", *ARGS]) == 2
+        err = capsys.readouterr().err
+        assert f"another posttrain process (pid {holder.pid}) is training in this run folder" in err, err
+        assert os.listdir(run) == [".lock"]  # no config.yaml, no checkpoint, no metrics
+    finally:
+        holder.kill()
+        holder.wait()
+    RunLock(str(run)).release()  # the killed holder left no lock behind

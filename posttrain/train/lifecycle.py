@@ -2,16 +2,18 @@
 
 What it is: `run_trainer(config, state, step, batches, ...)` runs one training run in
 `config.run_dir`. It checks the folder (a fresh start, or the same config so it can resume;
-process 0 writes config.yaml), restores the newest readable checkpoint (train state + the batch
-source's position), drops metrics logged after that checkpoint, builds the metric sinks and the
-profiler, steps `train_loop` with an evaluation hook and a checkpoint hook, and writes the final
-trainable weights (`trainable.safetensors`) and, with the JSONL sink, the run report
-(`report/`: PNG curves and one HTML page, `posttrain.report`). Process 0 alone prints and writes files; every
-process joins checkpoint saves / restores and the final gather. Also here: `check_processes`
-(the config fits the processes; call it before anything is written), `training_state` (the
-model's train state and optimizer under the config), `frozen_copy` (a reference / teacher copy
-the donated train state cannot overwrite), `place_batch` (a host batch
-on the devices) and `make_eval` (the denom-weighted metrics over a fixed eval set).
+process 0 writes config.yaml), holds the folder's lock for the run (`RunLock`: a second process
+on the same run_dir is refused; a killed run leaves no stale lock), restores the newest readable
+checkpoint (train state + the batch source's position), drops metrics logged after that
+checkpoint, builds the metric sinks and the profiler, steps `train_loop` with an evaluation hook
+and a checkpoint hook, and writes the final trainable weights (`trainable.safetensors`) and, with
+the JSONL sink, the run report (`report/`: PNG curves and one HTML page, `posttrain.report`).
+Process 0 alone prints and writes files; every process joins checkpoint saves / restores and the
+final gather. Also here: `check_processes` (the config fits the processes; call it before
+anything is written), `training_state` (the model's train state and optimizer under the config),
+`frozen_copy` (a reference / teacher copy the donated train state cannot overwrite),
+`place_batch` (a host batch on the devices) and `make_eval` (the denom-weighted metrics over a
+fixed eval set).
 
 A trainer recipe is then its config (with the shared run_dir / train / checkpoint / metrics /
 profile / sharding sections), its data -> batches and its loss:
@@ -74,9 +76,23 @@ def run_trainer(config, state: TrainState, step: Callable, batches, *, name: str
     holds a finished run (the returned state is then the restored one). `host_metrics()` (e.g.
     RL rollout statistics since its last call) is merged into every logged record.
     """
+    main = sh.is_main_process()  # the process that writes files and prints
+    if config.checkpoint.resume:
+        check_same_run(config)  # before the lock: a mismatched folder gets nothing written to it
+    lock = RunLock(config.run_dir) if main else None
+    try:
+        return _run(config, state, step, batches, name=name, flops_per_token=flops_per_token, evaluate=evaluate,
+                    mesh=mesh, rules=rules, summary=summary, progress=progress, host_metrics=host_metrics)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(config, state, step, batches, *, name, flops_per_token, evaluate, mesh, rules, summary, progress,
+         host_metrics):
     c = config
     t0 = time.perf_counter()
-    main = sh.is_main_process()  # the process that writes files and prints
+    main = sh.is_main_process()
     prepare_run_dir(c)
     ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), keep=c.checkpoint.keep,
                         async_save=c.checkpoint.async_save)
@@ -218,6 +234,37 @@ def make_eval(loss_fn: Callable, graphdef, arrays: dict, *, batch_size: int, mes
         return {f"eval_{k}": v / denom for k, v in host.items()}
 
     return evaluate
+
+
+class RunLock:
+    """One training process per run folder: an exclusive `flock` on `run_dir/.lock`, held until
+    `release()`. The kernel drops it when the process dies (SIGKILL included), so a killed run never
+    leaves the folder locked; the file itself stays (it only names the last holder's pid)."""
+
+    def __init__(self, run_dir: str):
+        import fcntl
+
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, ".lock")
+        self.fh = open(path, "a+")
+        try:
+            fcntl.flock(self.fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.fh.seek(0)
+            holder = self.fh.read().strip() or "?"
+            self.fh.close()
+            raise PosttrainError(f"{run_dir}: another posttrain process (pid {holder}) is training in this run folder; "
+                                 "wait for it to finish (or stop it), or give this run another run_dir") from None
+        self.fh.seek(0)
+        self.fh.truncate()
+        self.fh.write(f"{os.getpid()}\n")
+        self.fh.flush()
+
+    def release(self) -> None:
+        import fcntl
+
+        fcntl.flock(self.fh, fcntl.LOCK_UN)
+        self.fh.close()
 
 
 def prepare_run_dir(c) -> None:
