@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from posttrain import _xla_defaults  # noqa: F401  (before JAX starts)
-from posttrain.errors import PosttrainError
+from posttrain.errors import PosttrainError, RunStopped
 from posttrain.trainers import TRAINERS, trainer_classes
 
 
@@ -203,6 +203,11 @@ def main(argv=None) -> int:
 
             init_distributed(auto=True)  # before any other JAX call
         args.func(args)
+    except RunStopped as e:  # SIGTERM / Ctrl-C during training: checkpointed, resumable
+        import signal
+
+        print(f"posttrain: {e}", file=sys.stderr)
+        return 128 + int(getattr(signal, e.why))
     except PosttrainError as e:
         if args.debug:  # where it was raised, for a bug report; without --debug the message alone
             import traceback

@@ -1,4 +1,5 @@
-"""Checkpoints: exact resume after SIGKILL, corrupt-latest fallback, crash during save, NaN guard."""
+"""Checkpoints: exact resume after SIGKILL, SIGTERM and Ctrl-C, corrupt-latest fallback, crash during save, NaN
+guard, one process per run folder."""
 
 import json
 import os
@@ -23,9 +24,9 @@ ARGS = ["model.preset=demo-tiny", f"data.train={DATA}", "data.max_length=32", "t
         "metrics.sinks=[jsonl]", "optim.lr=1e-3"]
 
 
-def _run(kill_at, run_dir, *extra):
+def _run(kill_at, run_dir, *extra, signal="SIGKILL"):
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]  # one device
-    env = dict(os.environ, XLA_FLAGS=" ".join(flags), PYTHONPATH=os.path.dirname(HERE))
+    env = dict(os.environ, XLA_FLAGS=" ".join(flags), PYTHONPATH=os.path.dirname(HERE), KILL_SIGNAL=signal)
     cfg = os.path.join(os.path.dirname(run_dir), "empty.yaml")  # everything comes from the overrides
     open(cfg, "w").close()
     cmd = [sys.executable, os.path.join(HERE, "kill_worker.py"), str(kill_at), "--config", cfg,
@@ -63,6 +64,28 @@ def test_sigkill_at_several_steps_then_resume_is_bitwise_exact(uninterrupted, tm
     assert logged == list(range(1, 13))  # every step exactly once
     full = {m["step"]: m["loss"] for m in _steps(uninterrupted) if "loss" in m}
     assert all(m["loss"] == full[m["step"]] for m in _steps(run_dir) if "loss" in m)
+
+
+@pytest.mark.slow
+def test_sigterm_and_ctrl_c_checkpoint_the_current_step_and_resume_bitwise(uninterrupted, tmp_path):
+    """SIGTERM after step 4 and Ctrl-C (SIGINT) after step 8, neither a checkpoint step: each run saves
+    that step, says so in one line and exits 128 + the signal; the reruns end bitwise equal to an
+    uninterrupted run, every step logged once."""
+    run_dir = str(tmp_path / "run")
+    for at, sig, code in ((4, "SIGTERM", 143), (8, "SIGINT", 130)):
+        r = _run(at, run_dir, signal=sig)
+        assert r.returncode == code, (sig, r.returncode, r.stderr[-2000:])
+        lines = [ln for ln in r.stderr.splitlines() if ln.startswith("posttrain:")]
+        assert lines == [f"posttrain: [sft] {sig}: stopped after step {at} with its checkpoint in "
+                         f"{run_dir}/checkpoints; run the same command again to resume"], r.stderr[-2000:]
+        assert "Traceback" not in r.stderr
+        assert max(int(d) for d in os.listdir(os.path.join(run_dir, "checkpoints")) if d.isdigit()) == at
+    r = _run(0, run_dir)
+    assert r.returncode == 0 and "from the checkpoint at step 8" in r.stdout, r.stderr[-2000:]
+    a = load_file(os.path.join(uninterrupted, "trainable.safetensors"))
+    b = load_file(os.path.join(run_dir, "trainable.safetensors"))
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert [m["step"] for m in _steps(run_dir) if "loss" in m] == list(range(1, 13))
 
 
 @pytest.mark.slow

@@ -51,9 +51,9 @@ from jax.experimental import multihost_utils
 
 from posttrain import config as C
 from posttrain import sharding as sh
-from posttrain.errors import PosttrainError
+from posttrain.errors import PosttrainError, RunStopped
 from posttrain.train.checkpoint import Checkpointer
-from posttrain.train.loop import FnHook, train_loop
+from posttrain.train.loop import FnHook, Stopped, train_loop
 from posttrain.train.metrics import Profiler, make_sinks, memory_stats, mfu, peak_flops
 from posttrain.train.optim import make_optimizer, schedule
 from posttrain.train.serialize import save_state
@@ -138,14 +138,24 @@ def _run(config, state, step, batches, *, name, flops_per_token, evaluate, mesh,
     profiler = None
     if c.profile.start_step:
         profiler = Profiler(c.profile.start_step, c.profile.num_steps, os.path.join(c.run_dir, "profile"))
+    signals = SignalStop() if jax.process_count() == 1 else None  # multi-process: the default handlers
     try:
         state, history = train_loop(step, state, batches, steps=c.train.steps, start_step=start,
                                     log_every=c.train.log_every, sinks=sinks, hooks=hooks,
                                     progress=main and progress and "console" in c.metrics.sinks,
                                     max_nonfinite=c.train.max_nonfinite, profiler=profiler,
                                     extra_metrics=extra if main else None,
-                                    place_batch=functools.partial(place_batch, mesh=mesh, rules=rules))
+                                    place_batch=functools.partial(place_batch, mesh=mesh, rules=rules),
+                                    stop=signals.received if signals is not None else None)
+    except Stopped as stopped:
+        if stopped.step not in ckpt.steps():  # its checkpoint hook may have saved this step already
+            save(stopped.step, stopped.state, None)
+        # the `finally` below waits for that save, so it is on disk before the CLI prints this message
+        raise RunStopped(f"[{name}] {stopped.why}: stopped after step {stopped.step} with its checkpoint in "
+                         f"{c.run_dir}/checkpoints; run the same command again to resume", stopped.why) from None
     finally:
+        if signals is not None:
+            signals.restore()
         ckpt.close()  # waits for an asynchronous save in flight
         for sink in sinks:
             sink.close()
@@ -234,6 +244,43 @@ def make_eval(loss_fn: Callable, graphdef, arrays: dict, *, batch_size: int, mes
         return {f"eval_{k}": v / denom for k, v in host.items()}
 
     return evaluate
+
+
+class SignalStop:
+    """While it lives, SIGTERM and SIGINT (Ctrl-C) are noted instead of ending the process; `received()`
+    names the first one (the loop then checkpoints and stops). A second Ctrl-C interrupts at once.
+    Only in the main thread (Python delivers signals there); elsewhere it notes nothing."""
+
+    SIGNALS = ("SIGTERM", "SIGINT")
+
+    def __init__(self):
+        import signal
+        import threading
+
+        self.got: Optional[str] = None
+        self.previous = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for name in self.SIGNALS:
+            num = getattr(signal, name)
+            self.previous[num] = signal.signal(num, self._note)
+
+    def _note(self, num, frame):
+        import signal
+
+        if self.got is not None and num == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.got = self.got or signal.Signals(num).name
+
+    def received(self) -> Optional[str]:
+        return self.got
+
+    def restore(self) -> None:
+        import signal
+
+        for num, handler in self.previous.items():
+            signal.signal(num, handler)
+        self.previous = {}
 
 
 class RunLock:

@@ -36,6 +36,15 @@ class FnHook(Hook):
         self.fn(step, state, metrics)
 
 
+class Stopped(Exception):
+    """Raised by `train_loop` when its `stop()` said so after a step: `state` is the state after `step`
+    (that step's hooks have run); `why` is what `stop()` returned (e.g. "SIGTERM")."""
+
+    def __init__(self, step: int, state, why: str):
+        super().__init__(f"stopped by {why} after step {step}")
+        self.step, self.state, self.why = step, state, why
+
+
 def _check_finite(metrics, step: int, max_nonfinite: int) -> None:
     run = int(to_host(metrics["nonfinite_run"])) if "nonfinite_run" in metrics else 0
     if run >= max_nonfinite:
@@ -48,12 +57,14 @@ def _check_finite(metrics, step: int, max_nonfinite: int) -> None:
 def train_loop(step_fn, state, batches: Iterable[dict] | Callable[..., dict], *, steps: int, start_step: int = 0,
                log_every: int = 10, sinks: Sequence = (), hooks: Sequence[Hook] = (), progress: bool = True,
                frozen=None, max_nonfinite: int = 3, profiler=None, extra_metrics: Optional[Callable] = None,
-               place_batch: Optional[Callable] = None):
+               place_batch: Optional[Callable] = None, stop: Optional[Callable[[], Optional[str]]] = None):
     """Run steps start_step+1 .. steps; returns (state, history of logged metric dicts).
 
     extra_metrics(m) -> dict adds host-side figures (MFU, memory) to each logged record;
     place_batch(batch) puts a host batch on the devices (sharded over the mesh's batch axes; in a
-    multi-process run it keeps this process's rows). `batches` gives global batches (tokens/s
+    multi-process run it keeps this process's rows). stop() -> a reason or None is asked after each
+    step (its hooks run first); a reason ends the loop with `Stopped` (not after the last step).
+    `batches` gives global batches (tokens/s
     counts the global batch's tokens): an iterable, or a callable `batches(state) -> batch` called
     before each step with the current state (RL: rollouts sampled with the current weights).
     """
@@ -101,5 +112,8 @@ def train_loop(step_fn, state, batches: Iterable[dict] | Callable[..., dict], *,
             if (h.every and step % h.every == 0) or last:
                 h(step, state, history[-1] if history else {})
         bar.update(1)
+        if stop is not None and not last and (why := stop()):
+            bar.close()
+            raise Stopped(step, state, why)
     bar.close()
     return state, history
