@@ -76,16 +76,11 @@ def run_trainer(config, state: TrainState, step: Callable, batches, *, name: str
     holds a finished run (the returned state is then the restored one). `host_metrics()` (e.g.
     RL rollout statistics since its last call) is merged into every logged record.
     """
-    main = sh.is_main_process()  # the process that writes files and prints
-    if config.checkpoint.resume:
-        check_same_run(config)  # before the lock: a mismatched folder gets nothing written to it
-    lock = RunLock(config.run_dir) if main else None
     try:
         return _run(config, state, step, batches, name=name, flops_per_token=flops_per_token, evaluate=evaluate,
                     mesh=mesh, rules=rules, summary=summary, progress=progress, host_metrics=host_metrics)
     finally:
-        if lock is not None:
-            lock.release()
+        release_run_dir(config.run_dir)  # the lock prepare_run_dir took
 
 
 def _run(config, state, step, batches, *, name, flops_per_token, evaluate, mesh, rules, summary, progress,
@@ -314,10 +309,23 @@ class RunLock:
         self.fh.close()
 
 
+_HELD: dict[str, RunLock] = {}  # run folders this process holds (prepare_run_dir may run twice for one run)
+
+
+def release_run_dir(run_dir: str) -> None:
+    """Drop this process's lock on `run_dir`, if it holds one."""
+    lock = _HELD.pop(os.path.realpath(run_dir), None)
+    if lock is not None:
+        lock.release()
+
+
 def prepare_run_dir(c) -> None:
     """Fresh start, or check that the folder holds this same run (to resume it).
 
-    Every process checks (so all raise alike); process 0 alone writes, the others wait for it."""
+    Every process checks (so all raise alike); process 0 alone writes, the others wait for it.
+    Process 0 takes the folder's `RunLock` after the check and before its first write, and keeps it
+    until `release_run_dir` (run_trainer's end): DPO's reference cache and distillation's samples,
+    written into the folder before run_trainer starts, are under it too."""
     multi = jax.process_count() > 1
     saved = os.path.join(c.run_dir, "config.yaml")
     if c.checkpoint.resume:
@@ -325,6 +333,9 @@ def prepare_run_dir(c) -> None:
     if multi:  # nobody still reads config.yaml when process 0 rewrites it
         multihost_utils.sync_global_devices("posttrain:run_dir checked")
     if sh.is_main_process():
+        key = os.path.realpath(c.run_dir)
+        if key not in _HELD:
+            _HELD[key] = RunLock(c.run_dir)
         if os.path.isdir(c.run_dir) and not c.checkpoint.resume:
             for name in ("checkpoints", "metrics.jsonl", WEIGHTS, "tensorboard", "profile"):
                 path = os.path.join(c.run_dir, name)
