@@ -158,9 +158,11 @@ def _check_signature(fn, name: str, columns) -> None:
                              "**kwargs)") from None
 
 
-def reward_functions(g: GRPOSection, tok, columns=None) -> tuple[list, list[float]]:
-    """(functions, weights) named by grpo.rewards; unknown names are config errors. `columns`: the data
-    columns the functions get (an imported function's signature is checked against them; None: unknown)."""
+def reward_functions(g: GRPOSection, tok, prompts=None) -> tuple[list, list[float]]:
+    """(functions, weights) named by grpo.rewards; unknown names are config errors. `prompts`: the
+    prompt rows, whose data columns the functions get (an imported function's signature is checked
+    against them; None: not checked for missing arguments)."""
+    columns = None if prompts is None else sorted({k for q in prompts for k in q.columns})
     funcs = []
     for name in g.rewards:
         if name == "math_answer":
@@ -222,8 +224,7 @@ class GRPOTrainer:
             self.make_env = make_env_factory(c.env, c.tools)
             self.reward_funcs, self.reward_weights, width, what = [], [], c.env.max_tokens, "env.max_tokens"
         else:
-            self.reward_funcs, self.reward_weights = reward_functions(
-                c.grpo, self.tokenizer, sorted({k for q in self.prompts for k in q.columns}))
+            self.reward_funcs, self.reward_weights = reward_functions(c.grpo, self.tokenizer, self.prompts)
             width, what = g.max_new_tokens, "grpo.max_new_tokens"
         self.width = width  # tokens after the prompt per sample: the score slot width of a group row
         up = lambda x: -(-x // 8) * 8  # noqa: E731

@@ -232,8 +232,7 @@ class PPOTrainer:
                                                      max_prompt_length=c.data.max_prompt_length,
                                                      skip_bad_rows=c.data.skip_bad_rows)
         try:
-            self.reward_funcs, self.reward_weights = reward_functions(
-                p, self.tokenizer, sorted({k for q in self.prompts for k in q.columns}))
+            self.reward_funcs, self.reward_weights = reward_functions(p, self.tokenizer, self.prompts)
         except PosttrainError as err:  # the GRPO helper names its own section's keys
             raise PosttrainError(str(err).replace("grpo.", "ppo.")) from None
         up = lambda x: -(-x // 8) * 8  # noqa: E731
