@@ -7,6 +7,7 @@ process exits with code 2. Subcommands for training arrive with their trainers.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 from posttrain import _xla_defaults  # noqa: F401  (before JAX starts)
@@ -195,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk or quota, a file-size limit
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -208,11 +212,16 @@ def main(argv=None) -> int:
 
         print(f"posttrain: {e}", file=sys.stderr)
         return 128 + int(getattr(signal, e.why))
-    except PosttrainError as e:
+    except (PosttrainError, OSError) as e:
+        if isinstance(e, OSError) and e.errno not in _DISK_FULL:
+            raise
         if args.debug:  # where it was raised, for a bug report; without --debug the message alone
             import traceback
 
             traceback.print_exc()
+        if isinstance(e, OSError):
+            e = (f"could not write {e.filename or 'a file'}: {e.strerror}; free disk space and run the same command "
+                 "again (a training run resumes from its last checkpoint)")
         print(f"posttrain: error: {e}", file=sys.stderr)
         return 2
     return 0

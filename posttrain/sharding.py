@@ -401,6 +401,10 @@ def init_distributed(*, auto: bool = False, **kwargs) -> bool:
         except ValueError:
             raise PosttrainError("JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers") from None
         kwargs.setdefault("coordinator_address", env["JAX_COORDINATOR_ADDRESS"])
+        host = kwargs["coordinator_address"].rpartition(":")[0].strip("[]")
+        if host in ("127.0.0.1", "localhost", "::1") and not env.get("JAX_COORDINATOR_BIND_ADDRESS"):
+            # one machine: process 0's coordinator listens on loopback only (JAX's default is every interface)
+            kwargs.setdefault("coordinator_bind_address", kwargs["coordinator_address"])
     elif env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
         kwargs.setdefault("cluster_detection_method", "slurm")
     elif not (auto or kwargs):

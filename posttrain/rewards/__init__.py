@@ -6,6 +6,7 @@
 
 from posttrain.rewards.functions import (
     THINK_FORMAT,
+    CodeTests,
     FormatReward,
     LengthReward,
     MathAnswer,
@@ -14,6 +15,8 @@ from posttrain.rewards.functions import (
     RewardModelReward,
     answers_match,
     boxed_contents,
+    code_tests,
+    code_tests_reward,
     countdown,
     countdown_valid,
     extract_answer,
@@ -40,6 +43,9 @@ __all__ = [
     "math_answer_reward",
     "countdown",
     "countdown_valid",
+    "code_tests",
+    "code_tests_reward",
+    "CodeTests",
     "safe_arithmetic",
     "MathAnswer",
     "extract_answer",

@@ -84,7 +84,7 @@ class GroupRollout:
         self.calls = st["calls"]
         self.cached = None
         if "cached" in st:
-            with np.load(io.BytesIO(base64.b64decode(st["cached"]))) as f:
+            with np.load(io.BytesIO(base64.b64decode(st["cached"])), allow_pickle=False) as f:
                 self.cached = {k: f[k] for k in f.files}
 
     def metrics(self) -> dict:

@@ -6,7 +6,10 @@ step, PRNG key) plus JSON items: the data iterator's state (exact resume: the ne
 a restore is the one that would have come next) and free-form trainer metadata (RL bookkeeping
 etc. later). Orbax writes each step into a temporary folder and renames it when complete, so a
 crash mid-save never destroys the previous checkpoint; `restore_latest` tries the newest step
-first and falls back to older ones, with a warning, when a checkpoint cannot be read.
+first and falls back to older ones, with a warning, when a checkpoint cannot be read. A save
+that fails (a full disk, a file-size limit, a folder that cannot be written) raises a
+`PosttrainError` that names the last good checkpoint, which stays as it was; the half-written
+step is a temporary folder that Orbax never lists and removes when it next saves there.
 
 What it is not: a model exporter (see `models.hf.save_pretrained`).
 """
@@ -20,6 +23,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+
+from posttrain.errors import PosttrainError
 
 
 def _is_key(x) -> bool:
@@ -50,6 +55,8 @@ class Checkpointer:
                                                create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data", "meta"))
+        self.saving: Optional[int] = None  # the step of the save that may still be in flight
+        self.failed = False
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -59,7 +66,11 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardSave(_to_saveable(state)),
                                   data=ocp.args.JsonSave(data_state or {}),
                                   meta=ocp.args.JsonSave(meta or {}))
-        self.manager.save(step, args=args, force=force)
+        try:  # Orbax first waits for the save in flight, so an asynchronous failure surfaces here
+            self.manager.save(step, args=args, force=force)
+        except Exception as e:  # whatever the storage said: the checkpoint is not on disk
+            raise self._write_failed(e, self.saving if self.saving is not None else step) from e
+        self.saving = step
 
     def restore(self, step: int, like) -> tuple[Any, dict, dict]:
         """(state shaped like `like`, data state, meta) of `step`."""
@@ -90,5 +101,25 @@ class Checkpointer:
         return found
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Wait for the save in flight (raising if it failed, unless a failure was already raised)."""
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            if not self.failed:
+                raise self._write_failed(e, self.saving) from e
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # noqa: S110 - the failure was raised above; closing must not mask it
+                pass
+
+    def _write_failed(self, err: Exception, step: Optional[int]) -> PosttrainError:
+        self.failed = True
+        self.saving = None
+        good = sorted(int(d) for d in os.listdir(self.directory) if d.isdigit() and d != str(step)) \
+            if os.path.isdir(self.directory) else []
+        kept = f"the last good checkpoint, step {good[-1]}, is kept" if good else "no earlier checkpoint exists"
+        detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        return PosttrainError(f"could not write the checkpoint of step {step} in {self.directory} "
+                              f"({type(err).__name__}: {detail}); {kept}; free disk space (or make the folder "
+                              "writable) and run the same command again to resume")

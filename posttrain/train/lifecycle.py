@@ -103,6 +103,9 @@ def _run(config, state, step, batches, *, name, flops_per_token, evaluate, mesh,
         _print(summary)
     if start >= c.train.steps:
         ckpt.close()
+        if not os.path.isfile(os.path.join(c.run_dir, WEIGHTS)):  # the last run stopped while writing them
+            save_state(state.params, os.path.join(c.run_dir, WEIGHTS))
+            _print(f"[{name}] wrote {WEIGHTS} from the checkpoint at step {start}")
         _print(f"[{name}] {c.run_dir} already finished ({start} steps); nothing to do")
         return state, {"step": start, "finished": True, "seconds": time.perf_counter() - t0}
 

@@ -30,8 +30,13 @@ def save_state(state: nnx.State, path: str) -> None:
     if jax.process_index() != 0:
         return
     tmp = path + ".tmp"
-    save_file(flat, tmp, metadata={"format": "posttrain"})
-    os.replace(tmp, path)
+    try:
+        save_file(flat, tmp, metadata={"format": "posttrain"})
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, a signal: no torn file is left behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def load_state(path: str, like: nnx.State) -> nnx.State:

@@ -187,7 +187,7 @@ class DistillTrainer:
             digest.update(np.int64(len(p.ids)).tobytes() + p.ids.tobytes())
         key = digest.hexdigest()
         if c.checkpoint.resume and os.path.isfile(path):
-            with np.load(path) as f:
+            with np.load(path, allow_pickle=False) as f:
                 if str(f["key"]) == key:
                     ends = np.cumsum(f["lengths"])
                     return [Example(ids, mask, p.where) for ids, mask, p in

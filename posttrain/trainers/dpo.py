@@ -160,7 +160,7 @@ class DPOTrainer:
         key = digest.hexdigest()
         found = None
         if c.checkpoint.resume and os.path.isfile(path):
-            with np.load(path) as f:
+            with np.load(path, allow_pickle=False) as f:
                 if str(f["key"]) == key:
                     found = f["train"], (f["eval"] if self.eval_pairs else None)
         if jax.process_count() > 1:  # computing is collective: every process takes process 0's branch

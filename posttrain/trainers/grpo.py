@@ -171,6 +171,8 @@ def reward_functions(g: GRPOSection, tok, prompts=None) -> tuple[list, list[floa
             funcs.append(R.math_answer_reward(last_number=True, name="last_number"))
         elif name == "countdown":  # the expression over the row's "nums" equals its "target"
             funcs.append(R.countdown)
+        elif name == "code_tests":  # the completion's code against the row's "tests", in a limited subprocess
+            funcs.append(R.code_tests)
         elif name == "format":
             if not g.format_pattern:
                 raise PosttrainError("grpo.rewards names 'format' but grpo.format_pattern is not set")
@@ -194,7 +196,7 @@ def reward_functions(g: GRPOSection, tok, prompts=None) -> tuple[list, list[floa
             funcs.append(fn)
         else:
             raise PosttrainError(f"grpo.rewards: unknown reward {name!r}; use math_answer, last_number, countdown, "
-                                 "format, overlong, reward_model, or 'package.module:function'")
+                                 "code_tests, format, overlong, reward_model, or 'package.module:function'")
     return funcs, [float(w) for w in g.rewards.values()]
 
 
