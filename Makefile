@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup browser lint clean
+.PHONY: demo test bench setup browser lint clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,11 @@ demo: $(STAMP)
 
 test: $(STAMP) browser
 	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+
+# Speed against Tunix, TRL and transformers + PyTorch in one run (benchmarks/bench.sh; ~20-25 min, never
+# beside the tests: 2 cores). Rewrites the make-bench tables of docs/benchmarks.md and docs/bench_scaling.png.
+bench: $(STAMP)
+	ROUNDS=$(or $(ROUNDS),2) bash benchmarks/bench.sh
 
 # tests/test_report.py opens the run report in a headless browser: Debian's chromium, installed when missing.
 browser:
