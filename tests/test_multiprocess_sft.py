@@ -103,6 +103,28 @@ def test_two_processes_sft_cli_equals_one_device(tmp_path):
     assert "[sft] memory estimate" in out0 and "[sft] memory estimate" not in out1
     print(f"2 processes + reference: {seconds:.1f} s; max |param diff| {diff:.2e}, max |loss diff| {loss_diff:.2e}")
 
+    # the run folder locked by another process: both processes refuse (exit 2), neither waits at a barrier
+    from posttrain.train.lifecycle import RunLock
+
+    lock = RunLock(run_dir)
+    port = _free_port()
+    procs, logs = [], []
+    try:
+        for pid in range(2):
+            log = open(tmp_path / f"locked{pid}.log", "w")
+            logs.append(log)
+            cmd = [sys.executable, "-m", "posttrain.cli", "sft", "--distributed", "--config", str(cfg_file),
+                   "sharding.preset=dp", f"run_dir={run_dir}"]  # the same run: the lock, not the config, refuses
+            procs.append(subprocess.Popen(cmd, env=_child_env(port, pid), cwd=ROOT, stdout=log,
+                                          stderr=subprocess.STDOUT))
+        codes = [p.wait(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        kill_children(procs, logs)
+        lock.release()
+    out0, out1 = ((tmp_path / f"locked{pid}.log").read_text() for pid in range(2))
+    assert codes == [2, 2], (codes, out0[-2000:], out1[-2000:])
+    assert f"another posttrain process (pid {os.getpid()})" in out0 and "process 0 could not lock" in out1
+
 
 def test_batch_size_not_divisible_by_processes_is_a_user_error(tmp_path):
     """Checked in the trainer before anything is written (one process here: 3 % 2 is faked)."""

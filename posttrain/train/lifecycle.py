@@ -335,10 +335,23 @@ def prepare_run_dir(c) -> None:
         check_same_run(c)
     if multi:  # nobody still reads config.yaml when process 0 rewrites it
         multihost_utils.sync_global_devices("posttrain:run_dir checked")
-    if sh.is_main_process():
-        key = os.path.realpath(c.run_dir)
-        if key not in _HELD:
+    refused = None
+    key = os.path.realpath(c.run_dir)
+    if sh.is_main_process() and key not in _HELD:
+        try:
             _HELD[key] = RunLock(c.run_dir)
+        except PosttrainError as e:
+            refused = e
+    if multi:  # every process learns whether process 0 got the lock, so none waits at a barrier for nothing
+        import numpy as np
+
+        if int(multihost_utils.broadcast_one_to_all(np.int32(refused is not None))) and refused is None:
+            refused = PosttrainError(f"{c.run_dir}: process 0 could not lock this run folder (another posttrain "
+                                     "process is training in it; process 0 says which); wait for it to finish, or "
+                                     "give this run another run_dir")
+    if refused is not None:
+        raise refused
+    if sh.is_main_process():
         if os.path.isdir(c.run_dir) and not c.checkpoint.resume:
             for name in ("checkpoints", "metrics.jsonl", WEIGHTS, "tensorboard", "profile"):
                 path = os.path.join(c.run_dir, name)
