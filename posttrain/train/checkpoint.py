@@ -55,7 +55,8 @@ class Checkpointer:
                                                create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data", "meta"))
-        self.saving: Optional[int] = None  # the step of the save that may still be in flight
+        self.async_save = async_save
+        self.saving: Optional[int] = None  # the step of the asynchronous save that may still be in flight
         self.failed = False
 
     def steps(self) -> list[int]:
@@ -66,11 +67,16 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardSave(_to_saveable(state)),
                                   data=ocp.args.JsonSave(data_state or {}),
                                   meta=ocp.args.JsonSave(meta or {}))
-        try:  # Orbax first waits for the save in flight, so an asynchronous failure surfaces here
+        try:  # the save in flight (Orbax's save would wait for it too): its failure surfaces here
+            self.manager.wait_until_finished()
+        except Exception as e:  # whatever the storage said: that checkpoint is not on disk
+            raise self._write_failed(e, self.saving) from e
+        self.saving = None
+        try:
             self.manager.save(step, args=args, force=force)
-        except Exception as e:  # whatever the storage said: the checkpoint is not on disk
-            raise self._write_failed(e, self.saving if self.saving is not None else step) from e
-        self.saving = step
+        except Exception as e:
+            raise self._write_failed(e, step) from e
+        self.saving = step if self.async_save else None
 
     def restore(self, step: int, like) -> tuple[Any, dict, dict]:
         """(state shaped like `like`, data state, meta) of `step`."""
@@ -116,8 +122,9 @@ class Checkpointer:
     def _write_failed(self, err: Exception, step: Optional[int]) -> PosttrainError:
         self.failed = True
         self.saving = None
-        good = sorted(int(d) for d in os.listdir(self.directory) if d.isdigit() and d != str(step)) \
-            if os.path.isdir(self.directory) else []
+        # Orbax renames a step's temporary folder to its number only once it is complete
+        names = os.listdir(self.directory) if os.path.isdir(self.directory) else []
+        good = sorted(int(d) for d in names if d.isdigit())
         kept = f"the last good checkpoint, step {good[-1]}, is kept" if good else "no earlier checkpoint exists"
         detail = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
         return PosttrainError(f"could not write the checkpoint of step {step} in {self.directory} "

@@ -245,3 +245,39 @@ def test_fault_plans_cover_what_the_issue_asks():
         assert kinds.count("SIGTERM") + kinds.count("SIGINT") == 1
         assert any(k == "SIGKILL" and s % EVERY == 0 for s, k in events)
         assert [s for s, _ in events] == sorted({s for s, _ in events}) and 0 < events[0][0] and events[-1][0] < STEPS
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_save_names_its_step_and_the_last_good_checkpoint(tmp_path, async_save):
+    """The storage refuses the save of step 4 (synchronous: that save raises; asynchronous: it surfaces at
+    the next save or at close): one PosttrainError naming step 4 and step 2, which stays readable."""
+    import jax.numpy as jnp
+
+    from posttrain.errors import PosttrainError
+    from posttrain.train.checkpoint import Checkpointer
+
+    state = {"w": jnp.arange(4.0)}
+    ck = Checkpointer(str(tmp_path / "ck"), keep=3, async_save=async_save)
+    ck.save(2, state, {"pos": 2})
+    ck.manager.wait_until_finished()
+    real_save, real_wait = ck.manager.save, ck.manager.wait_until_finished
+    failing = {}
+
+    def save(step, **kw):
+        if not async_save:
+            raise ValueError("OUT_OF_RANGE: Failed writing: File too large [os_error_code='27']")
+        failing["step"] = step  # asynchronous: the save starts, its background write fails later
+        return real_save(step, **kw)
+
+    def wait():
+        real_wait()
+        if failing.pop("step", None) == 4:
+            raise ValueError("OUT_OF_RANGE: Failed writing: File too large [os_error_code='27']")
+
+    ck.manager.save, ck.manager.wait_until_finished = save, wait
+    with pytest.raises(PosttrainError, match=r"could not write the checkpoint of step 4 .* File too large.*"
+                                             r"the last good checkpoint, step 2, is kept"):
+        ck.save(4, state, {"pos": 4})
+        ck.save(6, state, {"pos": 6})  # asynchronous: the failure of step 4 surfaces here
+    ck.close()  # raises nothing more
+    assert ck.restore(2, state)[1] == {"pos": 2}
