@@ -123,7 +123,7 @@ def _corrupt(run_dir) -> int:
 
 @pytest.mark.parametrize("trainer", list(RECIPES))
 def test_faults_then_the_same_command_ends_bitwise_equal(trainer, zygote, tmp_path):
-    config, extra, polite = RECIPES[trainer]
+    config, extra, _ = RECIPES[trainer]
     argv = lambda run_dir: [trainer, "--config", config, f"run_dir={run_dir}", *COMMON, *extra]  # noqa: E731
     RESULTS[trainer] = {"kinds": {k: [0, 0] for k in KINDS}, "lost": None}
     tally = RESULTS[trainer]["kinds"]
