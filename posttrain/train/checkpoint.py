@@ -116,8 +116,9 @@ class Checkpointer:
         finally:
             try:
                 self.manager.close()
-            except Exception:  # noqa: S110 - the failure was raised above; closing must not mask it
-                pass
+            except Exception:
+                if not self.failed:  # after a failed write, closing must not mask that failure
+                    raise
 
     def _write_failed(self, err: Exception, step: Optional[int]) -> PosttrainError:
         self.failed = True
