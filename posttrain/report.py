@@ -113,7 +113,9 @@ def _plot(series, train: list[str], evals: list[str], title: str, ylabel: str) -
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    fig = Figure(figsize=(6.0, 3.6), dpi=100, layout="constrained")
+    # fixed margins: matplotlib's constrained layout costs ~0.2 s a plot, and every finished run draws four
+    fig = Figure(figsize=(6.0, 3.6), dpi=100)
+    fig.subplots_adjust(left=0.12, right=0.97, top=0.91, bottom=0.14)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     # A train key and its eval_ twin share a colour; colours follow the default cycle (C0 first).

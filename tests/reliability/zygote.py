@@ -22,16 +22,20 @@ import shutil
 import signal
 import sys
 
+import jaxlib.mlir.dialects.mhlo  # noqa: F401  (what a run imports lazily: lowering, checkpoints, metrics)
+import psutil  # noqa: F401
+import pydantic  # noqa: F401
 import transformers.tokenization_utils_tokenizers  # noqa: F401  (and torch, which it imports)
 from jax._src import xla_bridge
 
 import posttrain.cli
-import posttrain.report  # noqa: F401  (matplotlib, for the run report a finished run writes)
+import posttrain.report
 import posttrain.train.lifecycle as lifecycle
 from posttrain.train.loop import FnHook
 
 for _trainer in posttrain.cli.TRAINERS:
     posttrain.cli.trainer_classes(_trainer)  # the trainers' modules
+posttrain.report._plot({"loss": ([1, 2], [1.0, 0.5])}, ["loss"], [], "warm-up", "loss")  # matplotlib and its fonts
 assert not xla_bridge.backends_are_initialized(), "a JAX backend started before fork: the children would share it"
 
 
