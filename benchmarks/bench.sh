@@ -7,9 +7,11 @@
 #      benchmarks/with_rss.py (its peak resident memory into its JSON);
 #   3. benchmarks/ratios.py: same-round speed-ups, goals, MFU, peak RSS and the machine, written into
 #      docs/benchmarks.md between its "make bench" markers;
-#   4. benchmarks/sweep.py: tokens/s and peak RSS against length for posttrain, PyTorch and Tunix (one
-#      round), plotted.
-# Usage: make bench [ROUNDS=2] [OUT=/tmp/posttrain-bench]  (about 20-25 minutes on 2 cores with ROUNDS=2)
+#   4. benchmarks/sweep.py: tokens/s and peak RSS against length (posttrain, PyTorch, Tunix), batch size and
+#      new tokens (posttrain, PyTorch), one round, plotted into docs/bench_scaling.png;
+#   5. benchmarks/prefix_sweep.py: DPO and GRPO steps with and without prefix-shared rows as the prompt grows
+#      64 -> 1024 tokens, one round: docs/prefix_scaling.png and its table in docs/benchmarks.md.
+# Usage: make bench [ROUNDS=2] [OUT=/tmp/posttrain-bench]  (25-37 minutes on 2 cores with ROUNDS=2)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 ANCHORS="${ANCHORS:-$ROOT/../shared/anchors}"
@@ -23,5 +25,8 @@ BENCHES="cpu_peak hf_bench tunix_bench trl_bench tunix_rl_bench $OURS" PY="$ROOT
   bash "$ANCHORS/run_all.sh" "$OUT" "$ROUNDS" "$THREADS"
 .venv/bin/python benchmarks/ratios.py "$OUT" --docs docs/benchmarks.md --command "make bench ROUNDS=$ROUNDS"
 .venv/bin/python benchmarks/sweep.py --out "$OUT/sweep" --rounds 1 --threads "$THREADS" --reps 2 \
-  --train 8x128 4x512 1x2048 --gen 8x64 2x1024 --plot docs/bench_scaling.png
-echo "tables: docs/benchmarks.md (make bench section); plot: docs/bench_scaling.png; raw: $OUT"
+  --train 8x128 4x512 1x2048 --gen 8x64 2x1024 --train-batch 2x128 8x128 32x128 --gen-batch 1x64 8x64 32x64 \
+  --gen-new 8x64+32 8x64 8x64+512 --extra-libs posttrain torch --plot docs/bench_scaling.png --docs docs/benchmarks.md
+.venv/bin/python benchmarks/prefix_sweep.py --out "$OUT/prefix" --rounds 1 --threads "$THREADS" \
+  --prompts 64 256 1024 --plot docs/prefix_scaling.png --docs docs/benchmarks.md
+echo "tables: docs/benchmarks.md (make bench sections); plots: docs/bench_scaling.png, docs/prefix_scaling.png; raw: $OUT"

@@ -9,6 +9,7 @@ precomputed reference log-probs (`dpo_precomputed_ref_step_s`) and for the unsha
 A step = host batch -> device, policy forward + backward, reference forward, AdamW update.
 
 Usage: .venv/bin/python benchmarks/dpo.py --threads 2 --json out.json [--ckpt /tmp/tiny-llama]
+       [--variants shared unshared]   (a subset of shared, precomputed, unshared)
 """
 
 import os
@@ -18,7 +19,10 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import ensure_checkpoint, med, parse_args, write  # noqa: E402
 
-args = parse_args([(("--dpo-completion",), dict(type=int, default=64)), (("--steps",), dict(type=int, default=6))])
+VARIANTS = {"shared": ("dpo_step_s", "shared", False), "precomputed": ("dpo_precomputed_ref_step_s", "shared", True),
+            "unshared": ("dpo_unshared_step_s", "unshared", False)}
+args = parse_args([(("--dpo-completion",), dict(type=int, default=64)), (("--steps",), dict(type=int, default=6)),
+                   (("--variants",), dict(nargs="*", choices=list(VARIANTS), default=list(VARIANTS)))])
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -85,8 +89,7 @@ def run(layout, precompute):
 def main():
     res = {"lib": "posttrain", "jax": jax.__version__, "threads": args.threads,
            "shape": dict(batch=args.batch, prompt=args.prompt, completion=args.dpo_completion)}
-    for key, layout, pre in (("dpo_step_s", "shared", False), ("dpo_precomputed_ref_step_s", "shared", True),
-                             ("dpo_unshared_step_s", "unshared", False)):
+    for key, layout, pre in (VARIANTS[v] for v in args.variants):
         s, loss = run(layout, pre)
         res[key] = s
         print(f"[posttrain dpo] {key} median {s['median']:.3f} s/step (first {s['first_step_s']:.2f} s, "
