@@ -92,7 +92,7 @@ def main():
     rollout = parts["rollout"]
     rollout.prompts = trainer.prompts
     rollout.params = dataclasses.replace(rollout.params, stop_ids=())  # exactly max_completion tokens
-    state, times, train_times = parts["state"], [], []
+    state, times, train_times, seen = parts["state"], [], [], {}
     if args.layout == "both" and args.grpo_beta:
         raise SystemExit("--layout both times the loss without a reference model: use --grpo-beta 0")
     if args.layout == "both":  # the same start and optimiser, the loss on one-branch rows
@@ -101,7 +101,7 @@ def main():
         unshared = trainer.setup()
         # a copy: both states hold the model's arrays, and each train step donates its state's buffers
         u_state, u_times, u_train = jax.tree.map(lambda x: x.copy(), unshared["state"]), [], []
-        shared_rows, seen = rollout.rows, {}
+        shared_rows = rollout.rows
 
         def rows(group, out, adv, keep):  # the shared rows, and the same rollout's unshared rows on the side
             t = time.perf_counter()
@@ -114,7 +114,7 @@ def main():
         t0 = time.perf_counter()
         batch = rollout(state)
         t1 = time.perf_counter()
-        t0 += seen.get("aside_s", 0.0) if args.layout == "both" else 0.0
+        t0 += seen.pop("aside_s", 0.0)
         state, metrics = parts["step"](state, place_batch(batch))
         jax.device_get(metrics["loss"])
         times.append(time.perf_counter() - t0)

@@ -140,13 +140,18 @@ def main():
         n = max((len(v) for v in runs.values()), default=0)
         head = (f"Run of {datetime.date.today()} ({n} interleaved rounds), machine: {machine()}. Command:\n\n"
                 f"```bash\n{a.command}\n```\n\n")
-        doc = open(a.docs).read()
-        if BEGIN not in doc or END not in doc:
-            raise SystemExit(f"{a.docs}: the markers {BEGIN!r} and {END!r} are missing")
-        before, rest = doc.split(BEGIN, 1)
-        after = rest.split(END, 1)[1]
-        with open(a.docs, "w") as fh:
-            fh.write(before + BEGIN + "\n" + head + text + "\n" + END + after)
+        write_section(a.docs, BEGIN, END, head + text)
+
+
+def write_section(path: str, begin: str, end: str, text: str) -> None:
+    """Replace what stands between the markers `begin` and `end` of the markdown file `path` by `text`."""
+    doc = open(path).read()
+    if begin not in doc or end not in doc:
+        raise SystemExit(f"{path}: the markers {begin!r} and {end!r} are missing")
+    before, rest = doc.split(begin, 1)
+    after = rest.split(end, 1)[1]
+    with open(path, "w") as fh:
+        fh.write(before + begin + "\n" + text + "\n" + end + after)
 
 
 if __name__ == "__main__":

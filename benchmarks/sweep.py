@@ -26,7 +26,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from ratios import machine  # noqa: E402  (the machine line of every make-bench table)
+from ratios import machine, write_section  # noqa: E402  (the machine line of every make-bench table)
 
 ANCHORS = os.path.join(HERE, "..", "..", "shared", "anchors")
 LIBS = ("posttrain", "torch", "tunix")
@@ -153,7 +153,7 @@ def main():
     for row in summary:
         print(json.dumps(row))
     if args.docs:
-        write_docs(args.docs, render(summary, " ".join(sys.argv[1:])))
+        write_section(args.docs, BEGIN, END, render(summary, " ".join(sys.argv[1:])))
     if args.plot:
         extra = [row for f in args.also for row in json.load(open(f))["summary"]]
         rows = {(r["kind"], r["shape"]): r for r in extra + summary}
@@ -203,16 +203,6 @@ def render(summary, argv: str) -> str:
                      f"{gib(r.get('posttrain_peak_rss'))} / {gib(r.get('torch_peak_rss'))} / "
                      f"{gib(r.get('tunix_peak_rss'))} |")
     return "\n".join(lines)
-
-
-def write_docs(path, table):
-    text = open(path).read()
-    head, mark, rest = text.partition(BEGIN)
-    _, end, tail = rest.partition(END)
-    if not (mark and end):
-        raise SystemExit(f"{path}: the markers {BEGIN!r} and {END!r} are missing")
-    with open(path, "w") as fh:
-        fh.write(head + BEGIN + "\n" + table + "\n" + END + tail)
 
 
 def summarize(runs, shapes, libs):
