@@ -1,6 +1,6 @@
 """The PPO trainer: on-policy first update, KL 0 at the start, mini-batches that partition each rollout,
 exact resume mid-rollout (weights, critic, KL controller), both critic layouts, clear errors for a
-mismatched critic or a reward-model folder without a score head, and learning on addition."""
+mismatched critic or a reward-model folder without a score head (learning: test_rl_learning.py)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,9 @@ from posttrain.errors import PosttrainError
 from posttrain.losses.ppo import critic_values
 from posttrain.models import Transformer, preset, save_pretrained
 from posttrain.models.heads import ScoreParam, attach_score_head
-from posttrain.tasks import addition
 from posttrain.tokenizer import byte_tokenizer
 from posttrain.train.step import merge
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
-from posttrain.trainers.sft import accuracy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = os.path.join(HERE, "data", "grpo_addition.jsonl")
@@ -153,38 +151,3 @@ def test_bad_critic_and_reward_model_folders_name_the_key(tmp_path):
     head = from_pretrained(rm, head="score").score[...]
     np.testing.assert_array_equal(np.asarray(trainer.model.critic.score[...]), np.asarray(head))
     assert not os.path.exists(tmp_path / "run")
-
-
-def test_ppo_raises_the_reward_of_an_sft_model_within_the_kl_target(tmp_path, sft_addition):
-    """Two-digit addition: a tiny model SFT-ed to partial accuracy, then 160 LoRA PPO updates (rollouts of
-    32 prompts x 4 samples at temperature 0.7, separate critic, adaptive KL from 0.3 with target 0.1)
-    with the exact-answer reward: greedy held-out accuracy and the sampled reward rise, and the
-    per-token KL to the reference averaged over the run stays under the target. Each rollout's KL
-    (a k1 estimate over 128 samples) stays under 2.5x the target: the adaptive controller lowers the
-    coefficient while the KL is under the target, so single rollouts late in the run reach 1.3-2x it.
-    (40 updates of 16 x 4 samples at temperature 1 gained -5 to +12 points, by CPU and SFT start; these
-    settings gained 11-17 points and 0.11-0.21 sampled reward from three SFT starts.)"""
-    train, evals = addition.make_pairs(digits=2, seed=0, n_eval=200)
-    addition.write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in train],
-                         str(tmp_path / "prompts.jsonl"))
-    pairs = [(r["prompt"], r["completion"]) for r in evals]
-    hf = sft_addition
-    target = 0.1
-    cfg = config(tmp_path, **{"model": {"path": hf}, "data.train": str(tmp_path / "prompts.jsonl"),
-                              "ppo.num_generations": 4, "ppo.mini_batch_size": 16, "ppo.temperature": 0.7,
-                              "ppo.kl_coef": 0.3, "ppo.kl_target": target, "ppo.kl_horizon": 1000, "lora.rank": 8,
-                              "train.steps": 160, "train.batch_size": 32, "train.log_every": 4})
-    trainer = PPOTrainer(cfg, progress=False)
-    before = accuracy(trainer.model.policy, trainer.tokenizer, pairs)
-    trainer.train()
-    after = accuracy(trainer.model.policy, trainer.tokenizer, pairs)
-    rollouts = [m for m in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "reward/mean" in m]
-    curve = [(m["step"], round(m["reward/mean"], 3), round(m["kl"], 4), round(m["kl_coef"], 4),
-              round(m["explained_variance"], 2)) for m in rollouts]
-    early = np.mean([m["reward/mean"] for m in rollouts[:2]])
-    late = np.mean([m["reward/mean"] for m in rollouts[-2:]])
-    kl = [m["kl"] for m in rollouts]
-    print(f"greedy held-out accuracy {before:.3f} -> {after:.3f}; sampled reward {early:.3f} -> {late:.3f}; KL mean "
-          f"{np.mean(kl):.4f} max {max(kl):.4f} (target {target}); (step, reward, kl, kl_coef, expl. var.) {curve}")
-    assert after - before >= 0.08 and late - early >= 0.08, (before, after, curve)
-    assert np.mean(kl) < target and max(kl) < 2.5 * target, curve
