@@ -11,7 +11,7 @@
 #      new tokens (posttrain, PyTorch), one round, plotted into docs/bench_scaling.png;
 #   5. benchmarks/prefix_sweep.py: DPO and GRPO steps with and without prefix-shared rows as the prompt grows
 #      64 -> 1024 tokens, one round: docs/prefix_scaling.png and its table in docs/benchmarks.md.
-# Usage: make bench [ROUNDS=2] [OUT=/tmp/posttrain-bench]  (25-37 minutes on 2 cores with ROUNDS=2)
+# Usage: make bench [ROUNDS=2] [OUT=/tmp/posttrain-bench]  (25-42 minutes on 2 cores with ROUNDS=2)
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 ANCHORS="${ANCHORS:-$ROOT/../shared/anchors}"
