@@ -4,9 +4,9 @@ import os
 import tempfile
 
 # 8 virtual CPU devices, and LLVM at optimisation level 1 without its expensive passes: most test time
-# is compiling, and the two flags made the suite 18 % faster on an Intel AVX-512 machine (make test: 23 min
-# 41 s -> 19 min 25 s; tests/test_dpo.py with the GRPO learning test: 219 s -> 193 s at level 1 alone,
-# 197 s without the passes alone). Level 0 was faster still but moved the float round-off enough that
+# is compiling (tests/test_dpo.py with the GRPO learning test, alone: 219 s -> 193 s at level 1, 197 s
+# without the passes; the whole suite on an Intel AVX-512 machine that drifts: 22-24 min before, 19.4-22.6
+# min after). Level 0 was faster still but moved the float round-off enough that
 # the RL learning tests' SFT start began at 41.5 % instead of ~30 %.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1 "
                                    "--xla_llvm_disable_expensive_passes=true")
