@@ -23,7 +23,7 @@ demo: $(STAMP)
 test: $(STAMP) browser
 	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
-# Speed against Tunix, TRL and transformers + PyTorch in one run (benchmarks/bench.sh; ~25-42 min, never
+# Speed against Tunix, TRL and transformers + PyTorch in one run (benchmarks/bench.sh; ~30-42 min, never
 # beside the tests: 2 cores). Rewrites the make-bench tables of docs/benchmarks.md and docs/bench_scaling.png.
 bench: $(STAMP)
 	ROUNDS=$(or $(ROUNDS),2) bash benchmarks/bench.sh
