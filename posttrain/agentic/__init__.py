@@ -4,7 +4,7 @@ What it is (one idea a module):
   tools.py           Tool protocol; `calculator` (exact, ast-based) and `python` (subprocess with time,
                      memory, CPU and file-size limits and an audit-hook guard: best effort, not a
                      security boundary); TOOLS registry, make_tools, tool_schemas
-  _sandbox_child.py  the python tool's child process: its own limits and the audit hook, then the program
+  (the python tool runs programs in posttrain.sandbox)
   parsing.py         tool calls in Hermes/Qwen `<tool_call>`, Llama 3 JSON and Gemma ```tool_code formats;
                      malformed calls are ToolCallError values; tool results as text or chat messages
   env.py             Environment protocol (reset / step), ToolEnv (parse, run the tool, score at the end),

@@ -26,6 +26,7 @@ from typing import Callable, Literal, Optional
 from posttrain.agentic.env import ToolEnv
 from posttrain.agentic.tools import TOOLS, Tool, make_tools
 from posttrain.errors import PosttrainError
+from posttrain.sandbox import MODES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,10 +61,13 @@ class PythonToolSection:
     max_output_chars: int = 2000  # stdout + stderr characters returned to the model
     max_file_mb: int = 16  # the largest file the child may write, in MB
     max_open_files: int = 64  # open file descriptors of the child
+    sandbox: str = "auto"  # the boundary: auto (bwrap, else a fresh uid as root), bwrap, uid, unsafe_inprocess_guard
 
     def __post_init__(self):
         if not (self.timeout_s > 0 and self.memory_mb > 0 and self.max_output_chars > 0 and self.max_file_mb > 0):
             raise PosttrainError("tools.python: timeout_s, memory_mb, max_output_chars and max_file_mb must be > 0")
+        if self.sandbox not in MODES:
+            raise PosttrainError(f"tools.python.sandbox: unknown mode {self.sandbox!r}; use one of {', '.join(MODES)}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -9,30 +9,15 @@ What it is:
   `rewards.functions.safe_arithmetic`'s (non-negative integers, + - * /, parentheses; parsed with
   `ast`, evaluated with Fractions, never `eval`-ed), extended with unary +/-, decimals and `**`
   with an integer exponent of at most `MAX_EXPONENT` (and a result of at most `MAX_RESULT_BITS`).
-- `PythonTool` ("python"): runs a program in a fresh `python -I -B` subprocess in a new
-  temporary folder, with a wall-time limit (the process group is killed), an address-space limit
-  (RLIMIT_AS; an allocation past it is a MemoryError), a CPU-seconds limit, a file-size limit
-  and an audit-hook guard (`_sandbox_child.py`) that refuses sockets, process creation and file
-  access outside the folder (reads of the interpreter's own stdlib / site-packages are allowed so
-  imports work). stdout and stderr go to files outside the folder and come back truncated to
-  `max_output_chars`. The child sets its own limits before the program runs, not the parent's
-  `preexec_fn`, which CPython documents as unsafe (it can deadlock) in a threaded parent like JAX.
+- `PythonTool` ("python"): runs a program in `posttrain.sandbox` (bubblewrap namespaces: no host
+  processes, no network, a read-only system and one private size-limited tmpfs; rlimits on time,
+  memory, CPU, file size, open files and processes; the Python audit-hook guard as defence in depth).
+  stdout and stderr come back truncated to `max_output_chars`.
 - `TOOLS` (name -> class), `make_tools(spec)` (names or {name: kwargs}, as a config's `tools:`
   section gives them) and `tool_schemas(tools)` (the list for `apply_chat_template(tools=...)`).
 
-What it is not, and the sandbox's limits (read before exposing the python tool to anything but
-your own model's small programs): an audit-hook sandbox is a best-effort guard, NOT a security
-boundary. CPython audits only some operations, and native code is not audited at all: a C
-extension that is importable from site-packages, a shared library the program writes into its
-own folder and loads through `importlib.machinery.ExtensionFileLoader` (dlopen is not audited), a
-`marshal` payload that builds malicious bytecode, an interpreter bug, or a fresh copy of an
-extension module can read any file or open any socket the OS allows this user. Known gaps besides:
-`os.stat` (existence and size of any file) is not refused; descriptor-relative opens (`dir_fd=`)
-are checked against the working folder, not the descriptor; there is no limit on threads or on
-disk use beyond the file-size limit per file; the process runs as the same OS user (here, often
-root). What it is for: keeping a policy model's own small programs (a calculation, a check) from
-touching the machine by accident or by naive reward hacking. For untrusted code put an OS
-boundary (a container, gVisor, nsjail, a VM) around it as well.
+What it is not: a place for trusted code (a tool named `package.module:name` runs in this process).
+The boundary, its fallbacks and what each stops: `posttrain/sandbox/__init__.py`, docs/security.md.
 
 References: Python's audit events table (docs.python.org/3/library/audit_events.html) and
 PEP 578 (which itself warns that audit hooks are not a sandbox); Hermes / Qwen / Llama 3
@@ -43,18 +28,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import math
-import os
 import re
-import signal
-import subprocess
 import sys
-import tempfile
-import time
 from fractions import Fraction
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from posttrain.errors import PosttrainError
+from posttrain.sandbox import Sandbox
 
 
 @runtime_checkable
@@ -179,12 +159,6 @@ class Calculator:
 
 # ----------------------------------------------------------------------------- python
 
-_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sandbox_child.py")
-_MEMORY_RC = 3  # the child's exit status after a MemoryError (see _sandbox_child.py)
-_SIGNALS = {signal.SIGXCPU: "the CPU-time limit was exceeded", signal.SIGKILL: "the process was killed",
-            signal.SIGSEGV: "the process crashed (segmentation fault)", signal.SIGABRT: "the process aborted"}
-
-
 @dataclasses.dataclass(frozen=True)
 class PythonResult:
     """What one run gave: `status` is "ok", "error" (non-zero exit, e.g. an exception), "timeout",
@@ -204,17 +178,18 @@ def _truncate(s: str, limit: int) -> str:
 
 @dataclasses.dataclass
 class PythonTool:
-    """Runs {"code": "..."} in a sandboxed subprocess (see the module docstring and its limits) and
+    """Runs {"code": "..."} in `posttrain.sandbox` (an OS boundary with limits; see that module) and
     returns its stdout (then its stderr, if any), or an "Error: ..." text on a timeout, the memory or
     CPU limit, or a non-zero exit (with the traceback)."""
 
-    timeout_s: float = 5.0  # wall-clock seconds before the process group is killed
+    timeout_s: float = 5.0  # wall-clock seconds before everything the program started is killed
     memory_mb: int = 512  # RLIMIT_AS of the child (virtual memory, so leave room for the interpreter)
     cpu_s: int | None = None  # RLIMIT_CPU seconds; None: ceil(timeout_s) + 1
     max_output_chars: int = 2000  # stdout + stderr characters returned to the model
     max_file_mb: int = 16  # RLIMIT_FSIZE: the largest file (also stdout / stderr) the child may write
     max_open_files: int = 64  # RLIMIT_NOFILE
-    python: str = sys.executable  # the interpreter to run (its stdlib / site-packages are readable)
+    sandbox: str = "auto"  # the boundary: auto, bwrap, uid or unsafe_inprocess_guard (posttrain.sandbox)
+    python: str = sys.executable  # the interpreter to run (its folders are bound read-only)
     name: str = "python"
     description: str = ("Run a Python program and return what it prints. No network, no files outside its "
                         "own folder, limited time and memory.")
@@ -229,90 +204,25 @@ class PythonTool:
             raise PosttrainError(f"python tool: timeout_s, memory_mb, max_output_chars and max_file_mb must be "
                                  f"> 0, got {self.timeout_s}, {self.memory_mb}, {self.max_output_chars}, "
                                  f"{self.max_file_mb}")
+        self.box = Sandbox(timeout_s=self.timeout_s, memory_mb=self.memory_mb, cpu_s=self.cpu_s,
+                           max_file_mb=self.max_file_mb, max_open_files=self.max_open_files,
+                           max_output_bytes=4 * self.max_output_chars + 4, mode=self.sandbox, python=self.python)
 
     def call(self, arguments: dict) -> str:
         code, error = _string_argument(arguments, "code", self.name)
         return error if error else self.run(code).text
 
     def run(self, code: str) -> PythonResult:
-        """Run `code` as a program in a fresh temporary folder (deleted afterwards)."""
-        cpu = self.cpu_s if self.cpu_s is not None else math.ceil(self.timeout_s) + 1
-        with tempfile.TemporaryDirectory(prefix="posttrain-python-", ignore_cleanup_errors=True) as outer:
-            work = os.path.join(outer, "work")
-            os.mkdir(work, 0o700)
-            with open(os.path.join(work, "main.py"), "w", encoding="utf-8") as f:
-                f.write(code)
-            env = {"PATH": os.defpath, "HOME": work, "TMPDIR": work, "LC_ALL": "C.UTF-8",
-                   "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-            argv = [self.python, "-I", "-B", "-u", _CHILD, work, str(self.memory_mb * 2**20), str(cpu),
-                    str(self.max_file_mb * 2**20), str(self.max_open_files)]
-            # stdout/stderr are files outside the working folder: the child cannot open them by path, and
-            # the parent never buffers more than it returns (a pipe would hold all a print loop writes).
-            with open(os.path.join(outer, "stdout"), "w+b") as out, open(os.path.join(outer, "stderr"), "w+b") as err:
-                start = time.monotonic()
-                proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                        start_new_session=True, close_fds=True)
-                timed_out = not _wait_unreaped(proc.pid, start + self.timeout_s)
-                _kill_group(proc)  # before reaping: the group id cannot belong to anyone else yet
-                rc = None if timed_out else proc.wait()
-                proc.wait()
-                seconds = time.monotonic() - start
-                stdout, stderr = (_read_head(fh, self.max_output_chars) for fh in (out, err))
-        return self._result(rc, timed_out, stdout, stderr, seconds)
-
-    def _result(self, rc, timed_out, stdout, stderr, seconds) -> PythonResult:
-        if timed_out:
-            status = "timeout"
-            head = f"Error: timed out after {self.timeout_s:g} s (wall-time limit); the process was killed."
-        elif rc == 0:
-            status, head = "ok", ""
-        elif rc == _MEMORY_RC and "the memory limit" in stderr:
-            status, head = "memory", f"Error: the memory limit ({self.memory_mb} MB) was exceeded."
-        elif rc is not None and rc < 0:
-            sig = -rc
-            status = "killed"
-            head = f"Error: {_SIGNALS.get(sig, f'the process was killed by signal {sig}')}."
-        else:
-            status, head = "error", f"Error: the program exited with status {rc}."
-        body = stdout + (("\n" if stdout and not stdout.endswith("\n") else "") + stderr if stderr else "")
-        if status == "ok":
+        """Run `code` as a program in a fresh sandbox."""
+        r = self.box.run({"main.py": code})
+        head = self.box.explain(r)
+        body = r.stdout + (("\n" if r.stdout and not r.stdout.endswith("\n") else "") + r.stderr if r.stderr else "")
+        if r.status == "ok":
             text = body if body else "(no output)"
         else:
             text = head + ("\n" + body if body else "")
-        return PythonResult(status, stdout, stderr, rc, seconds, _truncate(text, self.max_output_chars))
-
-
-def _wait_unreaped(pid: int, deadline: float) -> bool:
-    """Wait until the child exits or `deadline` (time.monotonic) passes, without reaping it (WNOWAIT), so
-    its pid, which is also its process group's id, stays taken until the group has been killed. True if
-    it exited."""
-    delay = 0.001
-    while True:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-            return True
-        now = time.monotonic()
-        if now >= deadline:
-            return False
-        time.sleep(min(delay, deadline - now))
-        delay = min(delay * 2, 0.02)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the child's whole process group (it leads its own session): anything it left running dies too."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _read_head(fh, max_chars: int) -> str:
-    """The start of a file the child wrote: at most ~4 * max_chars bytes are read (the caller truncates
-    to characters), with a note of the full size when there was more."""
-    size = fh.seek(0, os.SEEK_END)
-    fh.seek(0)
-    raw = fh.read(4 * max_chars + 4)
-    data = raw.decode("utf-8", errors="replace")
-    return data if len(raw) == size else data + f"\n... [truncated: {size} bytes in all]"
+        text = _truncate(text, self.max_output_chars)
+        return PythonResult(r.status, r.stdout, r.stderr, r.returncode, r.seconds, text)
 
 
 # ----------------------------------------------------------------------------- registry

@@ -16,13 +16,14 @@ What it is:
   `format_reward(pattern)` (regex full match; `THINK_FORMAT` is TRL's think-tag format),
   `length_reward(target)`, `overlong_penalty(max_len, cache)` (DAPO's soft overlong punishment),
   `reward_model_reward(model)` (a `RewardModel`'s scores), `code_tests` (the completion's code,
-  its last ```python block or its whole text, then the row's `tests` column of asserts, run in
-  `PythonTool`'s sandboxed subprocess with time and memory limits and no network: 1.0 if it runs to
-  the end, else 0.0; `code_tests_reward(column, timeout_s=, memory_mb=)` sets them).
+  its last ```python block or its whole text, against the row's `tests` column of asserts, run in
+  `posttrain.sandbox` with time and memory limits and no network, the asserts' operands compared
+  in this process as plain data: 1.0 if every assert holds, else 0.0;
+  `code_tests_reward(column, timeout_s=, memory_mb=, sandbox=)` sets them).
 
 What it is not: the advantage computation or the group normalisation (the GRPO trainer does that
 with `combine`'s totals), nor a sandbox: a reward function runs in this process with its rights
-(only `code_tests` runs the model's code, and that in a subprocess).
+(only `code_tests` runs the model's code, and that behind posttrain.sandbox's OS boundary).
 References: TRL 1.16 `trl/rewards/` and `GRPOTrainer._calculate_rewards` (protocol, None -> NaN,
 metric names `rewards/{name}/mean|std`, weighted nansum); DAPO (Yu et al. 2025, arXiv 2503.14476)
 eq. 13; GSM8K's `#### answer` convention (Cobbe et al. 2021); MATH's `\boxed{}` (Hendrycks et al. 2021).
@@ -36,7 +37,6 @@ import numbers
 import operator
 import os
 import re
-import secrets
 from concurrent.futures import ThreadPoolExecutor
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from posttrain.errors import PosttrainError
+from posttrain.rewards.code import run_tests
+from posttrain.sandbox import Sandbox
 
 if TYPE_CHECKING:
     from posttrain.rewards.model import RewardModel
@@ -307,34 +309,29 @@ def completion_code(completion: Any) -> str:
 
 
 class CodeTests:
-    """Runs model-written code against the row's tests: 1.0 when `completion_code(completion)`, then the
-    row's `column` (Python, e.g. assert statements), then a final `print` of a fresh random token, runs
-    to the end and exits 0; else 0.0 (a failed assert, an exception, the time or the memory limit, or an
-    exit before the tests finished: the token must be in the output, so `sys.exit(0)` in the code does
-    not pass); None for a row with empty or missing tests.
+    """Runs model-written code against the row's tests: 1.0 when `completion_code(completion)` passes
+    the row's `column` (Python: statements and assert statements), else 0.0 (a failed assert, an
+    exception, the time or the memory limit, an exit before the tests finished); None for a row with
+    empty, missing or non-Python tests.
 
-    Each program runs in `agentic.tools.PythonTool`'s sandbox: a fresh `python -I -B` subprocess with a
-    wall-time limit (`timeout_s`, the process group is killed), an address-space limit (`memory_mb`), a
-    CPU limit, a 1 MB file-size limit, and an audit-hook guard that refuses sockets, new processes and
-    files outside its temporary folder. Up to `workers` programs run at once (threads waiting on
-    subprocesses). That sandbox is best-effort, not a security boundary (see the PythonTool docstring);
-    a program that reads its own source can also find the token. Keep the runner's `timeout_s` (GRPO's
-    `reward_timeout_s`) above `timeout_s * ceil(batch / workers)`."""
+    Each program runs in `posttrain.sandbox` (an OS boundary: bubblewrap namespaces, a read-only
+    system, a private tmpfs, rlimits; `sandbox` picks the mode) with a wall-time limit (`timeout_s`),
+    an address-space limit (`memory_mb`) and a 1 MB file-size limit. The asserts' operands come back
+    as plain data and are compared in this process (`posttrain.rewards.code`): an object whose
+    `__eq__` always returns True fails. Up to `workers` programs run at once (threads waiting on
+    subprocesses). Keep the runner's `timeout_s` (GRPO's `reward_timeout_s`) above
+    `timeout_s * ceil(batch / workers)`."""
 
     def __init__(self, column: str = "tests", *, timeout_s: float = 5.0, memory_mb: int = 256,
-                 workers: Optional[int] = None, name: str = "code_tests"):
-        from posttrain.agentic.tools import PythonTool  # here: posttrain.agentic imports this module
-
-        # max_output_chars covers the whole stdout (at most max_file_mb): the token is printed last.
-        self.tool = PythonTool(timeout_s=timeout_s, memory_mb=memory_mb, max_file_mb=1, max_output_chars=2**18)
+                 workers: Optional[int] = None, name: str = "code_tests", sandbox: str = "auto"):
+        self.box = Sandbox(timeout_s=timeout_s, memory_mb=memory_mb, max_file_mb=1, max_output_bytes=2**20,
+                           mode=sandbox)
         self.column, self.workers = column, workers or min(8, os.cpu_count() or 1)
         self.name = self.__name__ = name
 
-    def run(self, code: str, tests: str) -> bool:
-        """Whether `code` followed by `tests` runs to the end in the sandbox."""
-        token = secrets.token_hex(16)
-        result = self.tool.run(f"{code}\n{tests}\nprint({token!r})\n")
-        return result.status == "ok" and token in result.stdout
+    def run(self, code: str, tests: str) -> Optional[bool]:
+        """Whether `code` passes `tests` in the sandbox (None: the tests are not Python)."""
+        return run_tests(self.box, code, tests)
 
     def __call__(self, prompts: Sequence, completions: Sequence, **columns) -> list[Optional[float]]:
         if self.column not in columns:
@@ -345,7 +342,8 @@ class CodeTests:
             completion, tests = pair
             if tests is None or not str(tests).strip():
                 return None
-            return float(self.run(completion_code(completion), str(tests)))
+            passed = self.run(completion_code(completion), str(tests))
+            return None if passed is None else float(passed)
 
         pairs = list(zip(completions, columns[self.column], strict=True))
         with ThreadPoolExecutor(max_workers=max(1, min(self.workers, len(pairs)))) as pool:
@@ -353,14 +351,13 @@ class CodeTests:
 
 
 def code_tests_reward(column: str = "tests", *, timeout_s: float = 5.0, memory_mb: int = 256,
-                      workers: Optional[int] = None, name: str = "code_tests") -> CodeTests:
-    """A `code_tests` reward with its own tests column, limits or worker count; see `CodeTests`."""
-    return CodeTests(column, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers, name=name)
+                      workers: Optional[int] = None, name: str = "code_tests", sandbox: str = "auto") -> CodeTests:
+    """A `code_tests` reward with its own tests column, limits, worker count or sandbox mode; see `CodeTests`."""
+    return CodeTests(column, timeout_s=timeout_s, memory_mb=memory_mb, workers=workers, name=name, sandbox=sandbox)
 
 
 def code_tests(prompts: Sequence, completions: Sequence, tests: Sequence = None, **_) -> list[Optional[float]]:
-    """The completion's code against the row's `tests` column in a sandboxed subprocess (5 s, 256 MB);
-    see `CodeTests`."""
+    """The completion's code against the row's `tests` column in posttrain.sandbox (5 s, 256 MB); see `CodeTests`."""
     return CodeTests()(prompts, completions, **({} if tests is None else {"tests": tests}))
 
 

@@ -48,6 +48,7 @@ from posttrain.losses.grpo import make_grpo_loss
 from posttrain.models import count_params
 from posttrain.models.lora import LoraParam, trainable_fraction
 from posttrain.rl.rollout import GroupRollout
+from posttrain.sandbox import MODES
 from posttrain.train import make_train_step, merge
 from posttrain.train.lifecycle import check_processes, frozen_copy, run_trainer, training_state
 from posttrain.train.metrics import model_flops_per_token
@@ -89,6 +90,9 @@ class GRPOSection:
     overlong_cache: int = 0  # DAPO soft overlong penalty: tokens of the soft zone before max_new_tokens
     reward_model: Optional[str] = None  # a *ForSequenceClassification folder for the "reward_model" reward
     reward_timeout_s: Optional[float] = 60.0  # a reward call running longer counts as failed
+    # where code_tests runs model-written code: auto (bwrap, else a fresh uid as root), bwrap, uid, or
+    # unsafe_inprocess_guard (a Python-level guard only; warns). See posttrain/sandbox and docs/security.md
+    sandbox: str = "auto"
     on_reward_error: Literal["zero", "drop"] = "zero"  # failed reward: 0, or drop the samples from the loss
     dynamic_sampling: bool = False  # DAPO: replace groups whose rewards do not vary
     max_refills: int = 3  # dynamic sampling: extra rollouts per step at most
@@ -164,6 +168,8 @@ def reward_functions(g: GRPOSection, tok, prompts=None) -> tuple[list, list[floa
     against them; None: not checked for missing arguments)."""
     columns = None if prompts is None else sorted({k for q in prompts for k in q.columns})
     funcs = []
+    if g.sandbox not in MODES:
+        raise PosttrainError(f"sandbox: unknown mode {g.sandbox!r}; use one of {', '.join(MODES)}")
     for name in g.rewards:
         if name == "math_answer":
             funcs.append(R.math_answer)
@@ -172,7 +178,7 @@ def reward_functions(g: GRPOSection, tok, prompts=None) -> tuple[list, list[floa
         elif name == "countdown":  # the expression over the row's "nums" equals its "target"
             funcs.append(R.countdown)
         elif name == "code_tests":  # the completion's code against the row's "tests", in a limited subprocess
-            funcs.append(R.code_tests)
+            funcs.append(R.code_tests_reward(sandbox=g.sandbox))
         elif name == "format":
             if not g.format_pattern:
                 raise PosttrainError("grpo.rewards names 'format' but grpo.format_pattern is not set")

@@ -85,6 +85,9 @@ class PPOSection:
     overlong_cache: int = 0  # DAPO soft overlong penalty zone (tokens)
     reward_model: Optional[str] = None  # a *ForSequenceClassification folder for the "reward_model" reward
     reward_timeout_s: Optional[float] = 60.0  # a reward call running longer counts as failed
+    # where code_tests runs model-written code: auto (bwrap, else a fresh uid as root), bwrap, uid, or
+    # unsafe_inprocess_guard (a Python-level guard only; warns). See posttrain/sandbox and docs/security.md
+    sandbox: str = "auto"
     on_reward_error: Literal["zero", "drop"] = "zero"  # failed reward: 0, or drop the samples from the loss
 
     def __post_init__(self):

@@ -53,6 +53,43 @@ def test_code_tests_right_wrong_and_missing_tests():
         code_tests(prompts=["p"], completions=[ADD], answer=["3"])
 
 
+# Programs that game a comparison made by calling the model's objects (issue #34), beside honest ones
+# that must still pass: (code, tests, expected reward).
+GAMING = {
+    "eq_always_true": ("class A:\n    def __eq__(s, o): return True\n    def __ne__(s, o): return False\n"
+                       "def add(a, b): return A()\n", ADD_TESTS, 0.0),
+    "sub_returns_zero": ("class A:\n    def __sub__(s, o): return 0.0\ndef f(x): return A()\n",
+                         "assert abs(f(1) - 3.0) < 1e-9\n", 0.0),
+    "bool_always_true": ("class T:\n    def __bool__(s): return True\ndef even(n): return T()\n",
+                         "assert even(3)\n", 0.0),
+    "str_subclass": ("class S(str):\n    def __eq__(s, o): return True\ndef f(): return S('no')\n",
+                     "assert f() == 'yes'\n", 0.0),
+    "shadowed_len": ("len = lambda x: 3\ndef f(): return [1]\n", "assert len(f()) == 3\n", 0.0),
+    "forged_record": ("def add(a, b): return 0\n"
+                      "print('#posttrain-' + '0' * 32 + ' {\"records\": [], \"error\": null}')\n", ADD_TESTS, 0.0),
+    "honest_abs": ("def f(x): return 3.0\n", "assert abs(f(1) - 3.0) < 1e-9\n", 1.0),
+    "honest_loop": (ADD, "for i in range(5):\n    assert add(i, i) == 2 * i\n", 1.0),
+    "honest_humaneval": (ADD, "def check(candidate):\n    assert candidate(2, 3) == 5\ncheck(add)\n", 1.0),
+    "honest_method": ("class Solution:\n    def twice(self, x): return 2 * x\n",
+                      "assert Solution().twice(4) == 8\n", 1.0),
+    "honest_tuple_and_generator": ("def f(): return (1, 2)\ndef g(n):\n    yield from range(n)\n",
+                                   "assert f() == (1, 2)\nassert f() != [1, 2]\nassert list(g(3)) == [0, 1, 2]\n", 1.0),
+    "honest_truthiness": ("def even(n): return n % 2 == 0\n", "assert even(4)\nassert not even(3)\n", 1.0),
+}
+
+
+def test_code_tests_compares_plain_data_so_objects_cannot_game_the_asserts():
+    names = list(GAMING)
+    reward = code_tests_reward(workers=2)
+    out = reward(prompts=["p"] * len(names), completions=[GAMING[n][0] for n in names],
+                 tests=[GAMING[n][1] for n in names])
+    assert dict(zip(names, out)) == {n: GAMING[n][2] for n in names}
+    # Control: run as plain asserts in the sandbox, the gaming programs pass (the old check would have paid them).
+    for name in ("eq_always_true", "sub_returns_zero", "bool_always_true", "str_subclass"):
+        code, tests, _ = GAMING[name]
+        assert reward.box.run({"main.py": code + tests}).status == "ok", name
+
+
 def test_completion_code_takes_the_last_python_block_or_the_whole_text():
     assert completion_code("x = 1") == "x = 1"
     assert completion_code("```python\na = 1\n```\nthen\n```python\nb = 2\n```") == "b = 2\n"
@@ -67,7 +104,7 @@ def test_code_tests_an_early_exit_does_not_pass():
     reward = code_tests_reward()
     assert reward(prompts=["p"] * 3, completions=hacks, tests=[ADD_TESTS] * 3) == [0.0, 0.0, 0.0]
     # The exit status alone would have passed them: the check after the tests is what fails them.
-    assert [reward.tool.run(h + ADD_TESTS).status for h in hacks] == ["ok"] * 3
+    assert [reward.box.run({"main.py": h + ADD_TESTS}).status for h in hacks] == ["ok"] * 3
 
 
 def test_code_tests_time_limit_stops_endless_programs():
@@ -87,8 +124,8 @@ def test_code_tests_memory_limit_fails_the_program_not_this_process():
     out = reward(prompts=["p"] * 3, completions=[at_once, growing, ADD], tests=[ADD_TESTS] * 3)
     assert out == [0.0, 0.0, 1.0]  # the next row in the same batch is scored as usual
     for program in (at_once, growing):  # and 0.0 is the memory limit's doing, not some other failure
-        result = reward.tool.run(program + ADD_TESTS)
-        assert result.status == "memory", result.text
+        result = reward.box.run({"main.py": program + ADD_TESTS})
+        assert result.status == "memory", result.stderr
 
 
 def test_code_tests_refuses_network_and_the_listener_sees_no_connection():
@@ -101,8 +138,8 @@ def test_code_tests_refuses_network_and_the_listener_sees_no_connection():
                    f"s = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'leak')\n")
         reward = code_tests_reward()
         assert reward(prompts=["p"], completions=[program], tests=[ADD_TESTS]) == [0.0]
-        result = reward.tool.run(program)
-        assert result.status == "error" and "sandbox: network access is not allowed" in result.stderr, result.text
+        result = reward.box.run({"main.py": program})
+        assert result.status == "error" and "sandbox: network access is not allowed" in result.stderr, result.stderr
         readable, _, _ = select.select([srv], [], [], 0.5)
         assert readable == [], "the sandboxed program reached the listening socket"
         # Control: a connection from this process is seen, so the check above can fail.

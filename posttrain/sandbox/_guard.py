@@ -1,8 +1,10 @@
-"""The child side of the `python` tool's sandbox: run as `python -I -B _sandbox_child.py WORK MEM CPU FSIZE NOFILE`.
+"""The sandbox's child process: `python -I -B _guard.py WORK ENTRY MEM CPU FSIZE NOFILE NPROC GUARD`.
 
 What it is: a standalone script (it imports nothing from posttrain) that, before any user code runs,
-sets resource limits on its own process (address space, CPU seconds, file size, open files, no core
-dumps), then installs a `sys.addaudithook` guard, then executes WORK/main.py in a fresh namespace.
+sets resource limits on its own process (address space, CPU seconds, file size, open files,
+processes/threads, no core dumps), then installs a `sys.addaudithook` guard, then executes ENTRY (a
+read-only program file: the model's program, or the code-tests harness) in a fresh namespace with
+WORK as the only writable folder.
 The guard refuses: opening files outside WORK (reads are also allowed inside the interpreter's
 stdlib and site-packages folders, which imports need), listing folders outside those, changing the
 working folder, creating symlinks, every `socket.*` event (so no connection, bind, DNS lookup),
@@ -15,15 +17,16 @@ Why the limits are set here and not in the parent's `preexec_fn`: the parent is 
 many threads, and CPython documents `preexec_fn` as unsafe (it can deadlock) in a threaded
 parent. Setting the limits as the child's first statements has the same effect on user code.
 
-What it is not: a security boundary. Audit hooks see only what CPython itself audits; native code
-(a C extension, a crafted `marshal` payload, an interpreter bug) can do anything the OS lets this
-user do. See `posttrain/agentic/tools.py` (PythonTool) for the list of known gaps.
+What it is not: the security boundary. Audit hooks see only what CPython itself audits; native code
+(a C extension, a crafted `marshal` payload, an interpreter bug) or a rewritten closure can do
+anything the OS lets the process do. The boundary is the OS one around this process (bubblewrap's
+namespaces, see posttrain/sandbox/__init__.py); this guard is defence in depth.
 """
 
 import sys
 
 
-def _install(work: str, mem: int, cpu: int, fsize: int, nofile: int) -> None:
+def _install(work: str, box: str, mem: int, cpu: int, fsize: int, nofile: int, nproc: int, audit: bool) -> None:
     import os
     import pathlib
     import resource
@@ -31,13 +34,15 @@ def _install(work: str, mem: int, cpu: int, fsize: int, nofile: int) -> None:
     import sysconfig
 
     for limit, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, fsize),
-                         (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_CORE, 0)):
+                         (resource.RLIMIT_NOFILE, nofile), (resource.RLIMIT_NPROC, nproc), (resource.RLIMIT_CORE, 0)):
         if value >= 0:
             hard = value + 1 if limit == resource.RLIMIT_CPU else value  # SIGXCPU at the soft limit, SIGKILL 1 s on
             resource.setrlimit(limit, (value, hard))
     # A write past the file-size limit then fails with OSError (reported) instead of killing the process.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
+    if not audit:  # the OS boundary alone (tests of that boundary)
+        return
     # The raw fork+exec primitive is not audited: replace it before anything can import it.
     import _posixsubprocess
 
@@ -59,7 +64,8 @@ def _install(work: str, mem: int, cpu: int, fsize: int, nofile: int) -> None:
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     work_root = os.path.realpath(work) + "/"
     read_roots = tuple(sorted({os.path.realpath(sysconfig.get_paths()[k]) + "/"
-                               for k in ("stdlib", "platstdlib", "purelib", "platlib")}))
+                               for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+                              | {os.path.realpath(box) + "/"}))
     S_IFMT, S_IFLNK = 0o170000, 0o120000
 
     def text(path) -> str:
@@ -170,13 +176,15 @@ def _report(exc: BaseException, traceback) -> None:
 
 
 def _main() -> int:
-    work, mem, cpu, fsize, nofile = sys.argv[1], *(int(a) for a in sys.argv[2:6])
-    with open(work + "/main.py", encoding="utf-8") as f:  # read before the guard exists
+    import os
+
+    work, entry, (mem, cpu, fsize, nofile, nproc, audit) = sys.argv[1], sys.argv[2], (int(a) for a in sys.argv[3:9])
+    with open(entry, encoding="utf-8") as f:  # read before the guard exists
         source = f.read()
     import traceback  # imported now: the error path must not need an import under a tight memory limit
 
-    code = compile(source, "main.py", "exec")  # a SyntaxError here is the user's: reported below
-    _install(work, mem, cpu, fsize, nofile)
+    code = compile(source, os.path.basename(entry), "exec")  # a SyntaxError here is the user's: reported below
+    _install(work, os.path.dirname(entry), mem, cpu, fsize, nofile, nproc, bool(audit))
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
         exec(code, namespace)

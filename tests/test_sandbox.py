@@ -1,0 +1,99 @@
+"""posttrain.sandbox: the boundary chosen per machine, the fallbacks, and the uid fallback's own boundary."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+import posttrain.sandbox as S
+from posttrain.errors import PosttrainError
+from posttrain.sandbox import Sandbox, resolve_mode
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.fixture
+def fresh_modes():
+    resolve_mode.cache_clear()
+    yield
+    resolve_mode.cache_clear()
+
+
+def test_auto_prefers_bwrap_and_the_program_runs_in_its_own_namespaces():
+    if shutil.which("bwrap") is None:
+        pytest.fail("bubblewrap is missing: make setup installs it")
+    r = Sandbox(guard=False).run({"main.py": "import os\nprint(os.getpid(), os.getuid(), sorted(os.listdir('/')))"})
+    pid, uid, root = r.stdout.split(" ", 2)
+    assert r.backend == "bwrap" and r.status == "ok"
+    assert int(pid) <= 3 and uid == "65534"  # its own PID namespace, no host uid
+    # No host folder but the read-only binds (system, interpreter) and its own /proc, /dev, /tmp, /sandbox.
+    interpreter = {d.split("/")[1] for d in S._python_dirs(S.sys.executable)}
+    assert set(ast.literal_eval(root)) <= {"bin", "dev", "lib", "lib32", "lib64", "proc", "sbin", "tmp", "usr",
+                                            "sandbox"} | interpreter, root
+    assert "etc" not in interpreter and "home" not in ast.literal_eval(root)
+
+
+def test_without_bwrap_root_falls_back_to_a_fresh_uid_and_others_are_refused(monkeypatch, fresh_modes):
+    real_which = shutil.which
+    monkeypatch.setattr(S.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))
+    if os.geteuid() == 0:
+        assert resolve_mode("auto") == "uid"
+    resolve_mode.cache_clear()
+    monkeypatch.setattr(S.os, "geteuid", lambda: 1000)
+    with pytest.raises(PosttrainError, match="unsafe_inprocess_guard") as err:
+        resolve_mode("auto")
+    assert "bwrap is not installed" in str(err.value) and "not running as root" in str(err.value)
+    with pytest.warns(UserWarning, match="not a security boundary"):
+        assert resolve_mode("unsafe_inprocess_guard") == "unsafe_inprocess_guard"
+    with pytest.raises(PosttrainError, match="unknown mode"):
+        Sandbox(mode="docker")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="the uid fallback needs root")
+def test_uid_fallback_holds_without_the_python_guard(tmp_path):
+    """The OS part of the uid fallback alone: another uid cannot read root's files, signal root's
+    processes or write root's folders, and a setsid child does not outlive the run."""
+    secret = tmp_path / "secret"
+    secret.write_text("CANARY-uid")
+    secret.chmod(0o600)
+    victim = subprocess.Popen(["sleep", "60"])
+    marker = "posttrain-uid-leftover"
+    code = f"""
+import os, signal
+def attempt(label, fn):
+    try:
+        print(label, 'RESULT', fn())
+    except OSError as e:
+        print(label, 'REFUSED', type(e).__name__)
+attempt('read', lambda: open({str(secret)!r}).read())
+attempt('kill', lambda: os.kill({victim.pid}, signal.SIGKILL))
+attempt('write', lambda: open({str(tmp_path / 'planted')!r}, 'w').write('x'))
+if os.fork() == 0:
+    os.setsid()
+    os.execv('/bin/sh', ['sh', '-c', 'sleep 1000; true', {marker!r}])
+"""
+    try:
+        r = Sandbox(mode="uid", guard=False, python=SYSTEM_PYTHON).run({"main.py": code})
+        assert r.backend == "uid" and r.status == "ok", r.stderr
+        assert r.stdout.split("\n")[:3] == ["read REFUSED PermissionError", "kill REFUSED PermissionError",
+                                            "write REFUSED PermissionError"], r.stdout
+        assert victim.poll() is None and not (tmp_path / "planted").exists()
+        time.sleep(0.2)
+        leftovers = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, marker)]
+        assert leftovers == [], "a setsid child outlived the uid sandbox"
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+def _cmdline_has(pid: str, marker: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return marker.encode() in f.read()
+    except OSError:
+        return False
