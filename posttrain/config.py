@@ -214,15 +214,60 @@ def _apply_override(cls, data: dict, item: str) -> None:
         node, prefix = node[part], f"{prefix}{part}."
 
 
+class UniqueKeySafeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML silently keeps the last one,
+    so the first setting would be ignored without a word): a `DuplicateKeyError` naming the key and both
+    lines."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merge keys may repeat
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in seen:
+                        raise DuplicateKeyError(key, seen[key], line)
+                    seen[key] = line
+                except TypeError:  # an unhashable key: SafeLoader reports it
+                    continue
+        return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, key, first: int, line: int):
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.first, self.line = key, first, line
+
+
+def load_yaml(stream, path) -> object:
+    """yaml.safe_load with duplicate keys refused: PosttrainError 'PATH:LINE: duplicate key ...'."""
+    try:
+        return yaml.load(stream, Loader=UniqueKeySafeLoader)  # noqa: S506  (a SafeLoader subclass)
+    except DuplicateKeyError as e:
+        raise PosttrainError(f"{path}:{e.line}: duplicate key {e.key!r} (first set on line {e.first}); YAML would "
+                             "silently keep only the last one: delete one of them, or merge them") from None
+
+
+def _decode_error(path, e: UnicodeDecodeError) -> PosttrainError:
+    return PosttrainError(f"{path}: the file is not UTF-8 text (byte {e.start + 1}: {e.object[e.start:e.start + 1]!r}, "
+                          f"{e.reason}); re-save it as UTF-8")
+
+
 def load(cls: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> T:
-    """Read YAML `path` (None: start empty), apply dotted `key=value` overrides, build `cls`."""
+    """Read YAML `path` (None: start empty), apply dotted `key=value` overrides, build `cls`.
+    A key given twice in one mapping of the file is an error naming it and its line."""
     data: dict = {}
     if path is not None:
         try:
             with open(path, encoding="utf-8") as f:
-                data = yaml.safe_load(f)
+                data = load_yaml(f, path)
         except OSError as e:  # missing file, a folder, no permission
             raise PosttrainError(f"cannot read config file {path}: {e.strerror} (check the path)") from None
+        except UnicodeDecodeError as e:  # UTF-16, Latin-1, ...
+            raise _decode_error(path, e) from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             loc = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)

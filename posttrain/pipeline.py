@@ -181,7 +181,7 @@ class Pipeline:
         try:
             with open(path, encoding="utf-8") as fh:
                 text = fh.read()
-            data = yaml.safe_load(text)
+            data = C.load_yaml(text, path)  # a key given twice is an error naming its line
             root = yaml.compose(text)
         except OSError as e:
             raise PosttrainError(f"cannot read pipeline file {path}: {e.strerror} (check the path)") from None
@@ -352,7 +352,7 @@ def _apply_overrides(data: dict, overrides: Sequence[str]) -> None:
 def _read_yaml(path: str, where: str) -> dict:
     try:
         with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh) or {}
+            data = C.load_yaml(fh, path) or {}
     except OSError as e:
         raise PosttrainError(f"{where}: cannot read its config file {path}: {e.strerror}") from None
     except yaml.YAMLError as e:

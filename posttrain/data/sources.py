@@ -5,6 +5,8 @@ came from so every later error can point at it:
   - `.jsonl` / `.json` (one JSON object per line): "FILE:LINE", LINE 1-based like an editor;
   - `.parquet` (read with pyarrow, one record batch at a time): "FILE:row N";
   - a folder written by `datasets.Dataset.save_to_disk`: "FOLDER:row N".
+JSONL is read as UTF-8 (a UTF-8 byte-order mark is allowed); a file in another encoding (UTF-16,
+Latin-1, ...) is an error naming FILE:LINE and saying to re-save it as UTF-8.
 For Parquet and `datasets` folders N is 0-based, the index you would pass to `ds[N]` or
 `df.iloc[N]` to look at the row.
 
@@ -85,38 +87,67 @@ def parse_rows(path, parse: Callable[[dict, str], Any], counts: dict, *,
                       f"the first: {first[0]}", stacklevel=3)
 
 
-def _read_jsonl(path: Path, on_bad_row: OnBadRow | None) -> Iterator[tuple[dict, str]]:
-    with path.open("r", encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue  # blank lines (often a trailing newline or two) are not rows
-            where = f"{path}:{number}"
+_BOMS = ((b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe\x00\x00", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+         (b"\xfe\xff", "UTF-16"))
+
+
+def _not_utf8(path: Path, where: str, what: str) -> PosttrainError:
+    return PosttrainError(f"{where}: {what}; posttrain reads text data as UTF-8: re-save {path} as UTF-8 (e.g. "
+                          f"`iconv -f <its encoding> -t UTF-8`, or your editor's 'Save with encoding: UTF-8')")
+
+
+def _decoded_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """(line number, text) of a UTF-8 file (a UTF-8 byte-order mark is allowed); another encoding raises,
+    naming the file and line: UTF-16/32 (a byte-order mark, or NUL bytes) or bytes that are not UTF-8."""
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if number == 1:
+                for bom, name in _BOMS:
+                    if raw.startswith(bom):
+                        raise _not_utf8(path, f"{path}:1", f"the file is {name}-encoded (byte-order mark)")
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
+            if b"\x00" in raw:
+                raise _not_utf8(path, f"{path}:{number}", "the line holds NUL bytes (the file looks UTF-16 or "
+                                "UTF-32 encoded)")
             try:
-                row = json.loads(line)
-                if not isinstance(row, dict):
-                    raise PosttrainError(
-                        f"{where}: the line is a JSON {type(row).__name__}, not an object; each line "
-                        f'must be one object such as {{"text": ...}} or {{"messages": [...]}}'
-                    )
-            except json.JSONDecodeError as err:
-                hint = ""
-                if number == 1 and line.lstrip().startswith("["):
-                    # The most common mistake: a pretty-printed JSON array saved as .json.
-                    hint = " (the file looks like one JSON array; rewrite it with one object per line, JSONL)"
-                bad = PosttrainError(
-                    f"{where}: the line is not valid JSON ({err.msg} at column {err.colno}){hint}; "
-                    f"fix or delete that line"
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, f"{path}:{number}", f"byte {err.start + 1} of the line is not UTF-8 "
+                                f"({raw[err.start:err.start + 1]!r}: another encoding, e.g. Latin-1 or "
+                                "Windows-1252)") from None
+
+
+def _read_jsonl(path: Path, on_bad_row: OnBadRow | None) -> Iterator[tuple[dict, str]]:
+    for number, line in _decoded_lines(path):
+        if not line.strip():
+            continue  # blank lines (often a trailing newline or two) are not rows
+        where = f"{path}:{number}"
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise PosttrainError(
+                    f"{where}: the line is a JSON {type(row).__name__}, not an object; each line "
+                    f'must be one object such as {{"text": ...}} or {{"messages": [...]}}'
                 )
-                if on_bad_row is None:
-                    raise bad from err
-                on_bad_row(bad)
-                continue
-            except PosttrainError as bad:
-                if on_bad_row is None:
-                    raise
-                on_bad_row(bad)
-                continue
-            yield row, where
+        except json.JSONDecodeError as err:
+            hint = ""
+            if number == 1 and line.lstrip().startswith("["):
+                # The most common mistake: a pretty-printed JSON array saved as .json.
+                hint = " (the file looks like one JSON array; rewrite it with one object per line, JSONL)"
+            bad = PosttrainError(
+                f"{where}: the line is not valid JSON ({err.msg} at column {err.colno}){hint}; "
+                f"fix or delete that line"
+            )
+            if on_bad_row is None:
+                raise bad from err
+            on_bad_row(bad)
+            continue
+        except PosttrainError as bad:
+            if on_bad_row is None:
+                raise
+            on_bad_row(bad)
+            continue
+        yield row, where
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[dict, str]]:

@@ -5,8 +5,14 @@ What it is: `Checkpointer(directory, keep=..., async_save=...)` saves, per step,
 step, PRNG key) plus JSON items: the data iterator's state (exact resume: the next batch after
 a restore is the one that would have come next) and free-form trainer metadata (RL bookkeeping
 etc. later). Orbax writes each step into a temporary folder and renames it when complete, so a
-crash mid-save never destroys the previous checkpoint; `restore_latest` tries the newest step
-first and falls back to older ones, with a warning, when a checkpoint cannot be read. A save
+crash mid-save never destroys the previous checkpoint. `restore_latest` tries the newest step
+first. A step whose files are unreadable, missing or truncated (corrupt: what a crash or a torn copy
+leaves) is reported with a warning, moved aside to `<dir>/<step>.corrupt-<n>` (a rename: nothing is
+deleted, and a later save of that step number finds the name free) and the step before is tried. A
+step that reads fine but does not fit the state being built (another model, other shapes or dtypes:
+compared with the checkpoint's stored metadata before any array is read) or that fails for any
+other reason (out of memory, a permission or I/O error) stops with a `PosttrainError` naming the step,
+the folder and the cause; every checkpoint is left in place. A save
 that fails (a full disk, a file-size limit, a folder that cannot be written) raises a
 `PosttrainError` that names the last good checkpoint, which stays as it was; the half-written
 step is a temporary folder that Orbax never lists and removes when it next saves there.
@@ -16,6 +22,7 @@ What it is not: a model exporter (see `models.hf.save_pretrained`).
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from typing import Any, Optional
@@ -23,6 +30,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from etils import epath
 
 from posttrain.errors import PosttrainError
 
@@ -46,6 +54,28 @@ def _abstract(tree):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
     return jax.tree.map(one, tree)
+
+
+def _path(keys) -> tuple[str, ...]:
+    """A key path as strings (dict keys, attribute names and list indices alike, as Orbax stores them)."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in keys)
+
+
+# What a torn, truncated or half-deleted checkpoint raises (tensorstore status codes; JSON and
+# Orbax's own messages). Anything else (RESOURCE_EXHAUSTED, PERMISSION_DENIED, an I/O error, ...)
+# is not treated as corruption: the restore stops instead of skipping a checkpoint that may be fine.
+_CORRUPT_CODES = ("NOT_FOUND:", "DATA_LOSS:", "OUT_OF_RANGE:")
+
+
+def _is_corruption(err: BaseException) -> bool:
+    if isinstance(err, (MemoryError, PermissionError)):
+        return False
+    if isinstance(err, (json.JSONDecodeError, FileNotFoundError, NotADirectoryError, EOFError)):
+        return True
+    text = str(err)
+    if isinstance(err, KeyError) and "was not found in the checkpoint" in text:  # an item folder is gone
+        return True
+    return isinstance(err, ValueError) and any(code in text for code in _CORRUPT_CODES)
 
 
 class Checkpointer:
@@ -88,23 +118,83 @@ class Checkpointer:
     def restore_latest(self, like) -> Optional[tuple[int, Any, dict, dict]]:
         """The newest checkpoint that reads back, or None.
 
-        Unreadable newer checkpoints are reported with a warning and deleted (training will write
-        those steps again)."""
-        found = None
-        bad = []
+        A corrupt newer checkpoint (unreadable, missing or truncated files) is reported with a warning
+        and moved aside to `<step>.corrupt-<n>` (nothing is deleted); the one before is tried. Any other
+        failure (the checkpoint does not fit `like`: another model, other shapes or dtypes; out of
+        memory; a permission or I/O error) raises a PosttrainError naming the step, the folder and the
+        cause, and leaves every checkpoint in place."""
         for step in reversed(self.steps()):
             try:
-                state, data, meta = self.restore(step, like)
-            except Exception as e:  # any unreadable file means this checkpoint is unusable
-                warnings.warn(f"checkpoint step {step} in {self.directory} is unreadable ({type(e).__name__}: "
-                              f"{str(e)[:200]}); falling back to an older checkpoint", stacklevel=2)
-                bad.append(step)
+                stored = self._stored_shapes(step)
+            except Exception as e:  # classified: corrupt -> fall back, else stop
+                self._unreadable(step, e)
                 continue
-            found = (step, state, data, meta)
-            break
-        for step in bad:
-            self.manager.delete(step)
-        return found
+            self._check_fits(step, stored, like)
+            try:
+                state, data, meta = self.restore(step, like)
+            except Exception as e:
+                self._unreadable(step, e)
+                continue
+            return step, state, data, meta
+        return None
+
+    def _stored_shapes(self, step: int) -> dict[tuple, tuple]:
+        """key path -> (shape, dtype) of every array of `step`'s train state, read from its metadata."""
+        meta = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+        tree = getattr(meta, "tree", meta)
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        return {_path(p): (tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", type(x).__name__)))
+                for p, x in leaves}
+
+    def _check_fits(self, step: int, stored: dict, like) -> None:
+        """Raise unless the stored train state has `like`'s structure, shapes and dtypes."""
+        want = {_path(p): (tuple(x.shape), str(x.dtype)) for p, x in jax.tree_util.tree_flatten_with_path(
+            _abstract(like))[0]}
+        missing, extra = sorted(want.keys() - stored.keys()), sorted(stored.keys() - want.keys())
+        differ = [k for k in sorted(want.keys() & stored.keys()) if want[k] != stored[k]]
+        if not (missing or extra or differ):
+            return
+        if differ:
+            k = differ[0]
+            more = f", and {len(differ) - 1} more differ" if len(differ) > 1 else ""
+            cause = (f"{'.'.join(k)} is stored as {stored[k][1]}{list(stored[k][0])} but this run builds "
+                     f"{want[k][1]}{list(want[k][0])}{more}")
+        else:
+            names = lambda ks: ", ".join(".".join(k) for k in ks[:3]) + (" ..." if len(ks) > 3 else "")  # noqa: E731
+            cause = "; ".join(x for x in (f"missing from the checkpoint: {names(missing)}" if missing else "",
+                                          f"not in this run's state: {names(extra)}" if extra else "") if x)
+        folder = os.path.join(self.directory, str(step))
+        raise PosttrainError(f"checkpoint step {step} ({folder}) does not fit the model being built: {cause}; it "
+                             "was written by another model or config. Every checkpoint is kept: use a new run_dir, "
+                             "or checkpoint.resume=false to start afresh")
+
+    def _unreadable(self, step: int, err: Exception) -> None:
+        """A corrupt step: warn and move it aside. Any other failure: raise, leaving everything in place."""
+        folder = os.path.join(self.directory, str(step))
+        detail = f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+        if not _is_corruption(err):
+            raise PosttrainError(f"could not restore checkpoint step {step} from {folder} ({detail}); no "
+                                 "checkpoint was changed or removed; fix the cause (memory, permissions, "
+                                 "storage) and run the same command again") from err
+        aside = self._move_aside(step)
+        warnings.warn(f"checkpoint step {step} in {self.directory} is unreadable ({detail}); moved it aside to "
+                      f"{aside} (nothing deleted) and falling back to an older checkpoint", stacklevel=3)
+
+    def _move_aside(self, step: int) -> str:
+        """Rename `<dir>/<step>` to `<dir>/<step>.corrupt-<n>` (process 0; the others wait); its new path."""
+        src = os.path.join(self.directory, str(step))
+        n = 1
+        while os.path.exists(f"{src}.corrupt-{n}"):
+            n += 1
+        dst = f"{src}.corrupt-{n}"
+        if jax.process_index() == 0:
+            os.rename(src, dst)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"posttrain:checkpoint {step} moved aside")
+        self.manager.reload()  # forget the step: the training that follows writes it again
+        return dst
 
     def close(self) -> None:
         """Wait for the save in flight (raising if it failed, unless a failure was already raised)."""

@@ -54,7 +54,7 @@ from posttrain import sharding as sh
 from posttrain.errors import PosttrainError, RunStopped
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.loop import FnHook, Stopped, train_loop
-from posttrain.train.metrics import Profiler, make_sinks, memory_stats, mfu, peak_flops
+from posttrain.train.metrics import Profiler, check_prometheus, make_sinks, memory_stats, mfu, peak_flops
 from posttrain.train.optim import make_optimizer, schedule
 from posttrain.train.serialize import save_state
 from posttrain.train.step import TrainState, init_state, merge
@@ -189,7 +189,13 @@ def frozen_copy(model):
 
 
 def check_processes(config) -> None:
-    """Raise unless the run can be split over the processes (call it before anything is written)."""
+    """Raise unless the run can be split over the processes and its outputs can be written (call it
+    before anything is written and before the model loads): run_dir can be created (`check_run_dir`) and
+    the Prometheus exporter's port is free (`metrics.check_prometheus`)."""
+    check_run_dir(config.run_dir)
+    if sh.is_main_process():  # the one process that serves metrics
+        if "prometheus" in config.metrics.sinks:
+            check_prometheus(config.metrics.prometheus_host, config.metrics.prometheus_port)
     n_proc = jax.process_count()
     if n_proc > 1 and config.sharding.preset is None:
         raise PosttrainError(f"{n_proc} processes but sharding.preset is not set; a multi-process run needs a "
@@ -197,6 +203,25 @@ def check_processes(config) -> None:
     if config.train.batch_size % n_proc:
         raise PosttrainError(f"train.batch_size={config.train.batch_size} must be a multiple of the {n_proc} "
                              "processes (each feeds an equal share of every global batch)")
+
+
+def check_run_dir(run_dir: str) -> None:
+    """Raise a PosttrainError unless `run_dir` is a writable folder or can be created (nothing is created)."""
+    fix = "set run_dir to a folder you can write"
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise PosttrainError(f"run_dir {run_dir} is an existing file, not a folder; {fix}")
+    probe = os.path.abspath(run_dir)
+    while not os.path.exists(probe):  # the nearest existing folder: run_dir is created in it
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise PosttrainError(f"run_dir {run_dir} cannot be created: {probe} is a file, not a folder; {fix}")
+    import tempfile
+
+    try:  # really create (and remove) an entry: permission bits, read-only mounts and root alike
+        os.rmdir(tempfile.mkdtemp(prefix=".posttrain-probe-", dir=probe))
+    except OSError as e:
+        what = "cannot be written" if probe == os.path.abspath(run_dir) else f"cannot be created in {probe}"
+        raise PosttrainError(f"run_dir {run_dir} {what} ({e.strerror}); {fix}") from None
 
 
 def place_batch(batch: dict, mesh=None, rules=None) -> dict:
@@ -387,12 +412,48 @@ def _print(*args) -> None:
 
 
 def _truncate_jsonl(path: str, last_step: int) -> None:
-    """Drop records logged after `last_step` (a killed run logged them; the resumed run logs them again)."""
+    """Drop records logged after `last_step` (a killed run logged them; the resumed run logs them again).
+
+    A cut last line (what a full disk or a kill mid-write leaves: no newline, not JSON) is dropped with
+    a warning; a bad line anywhere else is the user's to look at, so it raises naming FILE:LINE."""
     if not os.path.isfile(path):
         return
-    with open(path) as fh:
-        keep = [ln for ln in fh if ln.strip() and json.loads(ln).get("step", 0) <= last_step]
+    with open(path, "rb") as fh:
+        lines = fh.read().split(b"\n")
+    # a complete file ends with a newline: the last piece is b""; otherwise it is the cut line
+    cut, lines = lines[-1], lines[:-1]
+    if cut.strip():
+        try:
+            record = json.loads(cut)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            lines.append(cut)  # a whole record that only lacks its newline
+        else:
+            import warnings
+
+            warnings.warn(f"{path}:{len(lines) + 1}: the last line is cut off ({len(cut)} bytes, not JSON: a full disk "
+                          "or a kill while it was written); dropped it", stacklevel=2)
+    last = max((i for i, ln in enumerate(lines, 1) if ln.strip()), default=0)
+    keep = []
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+            step = record.get("step", 0)
+        except (ValueError, AttributeError):
+            if number == last:
+                import warnings
+
+                warnings.warn(f"{path}:{number}: the last line is not a JSON record (a full disk or a kill while it "
+                              "was written); dropped it", stacklevel=2)
+                continue
+            raise PosttrainError(f"{path}:{number}: not a JSON record ({raw[:60]!r}); fix or delete that line, then "
+                                 "run the same command again to resume") from None
+        if step <= last_step:
+            keep.append(raw + b"\n")
     tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
+    with open(tmp, "wb") as fh:
         fh.writelines(keep)
     os.replace(tmp, path)

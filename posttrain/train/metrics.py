@@ -91,8 +91,11 @@ class PrometheusSink:
         self._gauge_cls = prometheus_client.Gauge
         self._gauges: dict[str, object] = {}
         # prometheus_client >= 0.20 returns (server, thread); keep both to shut down cleanly.
-        self._server, self._thread = prometheus_client.start_http_server(port, addr=host,
-                                                                         registry=self.registry)
+        try:
+            self._server, self._thread = prometheus_client.start_http_server(port, addr=host,
+                                                                             registry=self.registry)
+        except OSError as e:  # taken since the trainer's check_prometheus
+            raise _bind_error(f"metrics.prometheus_host={host!r}, metrics.prometheus_port={port}", e) from None
         self.host, self.port = host, int(self._server.server_port)
         self._step = self._gauge("step")
 
@@ -113,6 +116,40 @@ class PrometheusSink:
             self._server.server_close()  # releases the port for the next run
             self._thread.join(timeout=5)
             self._server = None
+
+
+def check_prometheus(host: str, port: int) -> None:
+    """Raise a PosttrainError unless the exporter could listen on host:port (a port another process holds,
+    a host that does not resolve or is not an address of this machine). Trainers call it before the model
+    loads, so such a mistake costs nothing; `PrometheusSink` reports the same when the port is taken later."""
+    import socket
+
+    where = f"metrics.prometheus_host={host!r}, metrics.prometheus_port={port}"
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError, OSError) as e:
+        raise PosttrainError(f"{where}: cannot resolve the host ({getattr(e, 'strerror', None) or e}); set "
+                             "metrics.prometheus_host to an address of this machine, e.g. 127.0.0.1") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the exporter's HTTP server does
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise _bind_error(where, e) from None
+
+
+def _bind_error(where: str, e: OSError) -> PosttrainError:
+    import errno
+
+    if e.errno == errno.EADDRINUSE:
+        fix = ("the port is in use (another run's exporter?); set metrics.prometheus_port to a free port, or 0 to "
+               "pick one")
+    elif e.errno == errno.EADDRNOTAVAIL:
+        fix = "the host is not an address of this machine; set metrics.prometheus_host, e.g. 127.0.0.1"
+    else:
+        fix = "pick another metrics.prometheus_port (ports below 1024 need privileges) or host"
+    return PosttrainError(f"{where}: the Prometheus exporter cannot listen there ({e.strerror}); {fix}")
 
 
 WANDB_MISSING = ("metrics.sinks names 'wandb' but the wandb package is not installed; install it with "

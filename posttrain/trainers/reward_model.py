@@ -176,10 +176,15 @@ def load_rm_run(run_dir: str):
     return config, tok, nnx.merge(graphdef, params, rest)
 
 
-def export_rm_run(run_dir: str, out: str, dtype: Optional[str] = None) -> str:
-    """Write a finished reward-model run as a HF `*ForSequenceClassification` folder (LoRA merged)."""
+def export_rm_run(run_dir: str, out: str, dtype: Optional[str] = None, overwrite: bool = False) -> str:
+    """Write a finished reward-model run as a HF `*ForSequenceClassification` folder (LoRA merged); `out` is
+    checked as by `sft.export_run` (never the run folder; an existing folder only if a previous export)."""
+    from posttrain.models.hf import canonical_dtype, check_export_target
+
+    dtype = canonical_dtype(dtype, "--dtype")
+    check_export_target(out, overwrite, run_dir=run_dir)
     config, tok, model = load_rm_run(run_dir)
     if config.lora.enabled:
         merge_lora(model)
-    return save_pretrained(model, out, tokenizer=tok, dtype=dtype)
+    return save_pretrained(model, out, tokenizer=tok, dtype=dtype, overwrite=overwrite)
 

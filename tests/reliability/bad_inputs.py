@@ -13,6 +13,7 @@ from typing import Callable, Union
 
 REPO = Path(__file__).resolve().parents[2]
 SFT_TINY = (REPO / "configs" / "sft_tiny.yaml").read_text()
+TRAIN_LINE = SFT_TINY.splitlines().index("train:") + 1  # where sft_tiny.yaml opens its train section
 
 File = Union[str, Callable[[Path], None]]  # text (placeholders filled in), or a writer of the path
 
@@ -95,6 +96,37 @@ def run_folder(config: dict, weights: bytes | None = None) -> Callable[[Path], N
             (path / "trainable.safetensors").write_bytes(weights)
 
     return write
+
+
+def encoded(text: str, encoding: str) -> Callable[[Path], None]:
+    """A file holding `text` in `encoding` (UTF-16 writes its byte-order mark, as Notepad does)."""
+    return lambda path: path.write_bytes(text.encode(encoding))
+
+
+def index_folder(shard: str) -> Callable[[Path], None]:
+    """A model folder whose model.safetensors.index.json names `shard` as a tensor's file."""
+
+    def write(path: Path) -> None:
+        model_folder(LLAMA)(path)
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": {"model.embed_tokens.weight": shard}}))
+
+    return write
+
+
+_LISTENERS: list = []  # sockets of the port-in-use case, kept open for the rest of the session
+
+
+def config_with_busy_port(path: Path) -> None:
+    """SFT_TINY with a Prometheus exporter on a port another socket of this process already listens on."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    _LISTENERS.append(sock)
+    port = sock.getsockname()[1]
+    path.write_text(SFT_TINY + f"metrics:\n  sinks: [jsonl, prometheus]\n  prometheus_port: {port}\n")
 
 
 def pipeline(stages: str, head: str = "model: demo-tiny\n") -> str:
@@ -343,4 +375,59 @@ CASES = [
     Case("checkpoint-report-no-metrics", "checkpoint", "`posttrain report` of a folder without metrics",
          ("report", "{t}/run"), ("run/metrics.jsonl: no such metrics file", "pass a run folder"),
          {"run/notes.txt": "not a run\n"}),
+    # --- issue #34: encodings, outputs that cannot be written, a config key given twice, unsafe paths
+    Case("config-duplicate-key", "config", "top-level key given twice in the YAML file (train:)",
+         ("sft", "--config", "{t}/bad.yaml", RUN),
+         (f"bad.yaml:{SFT_TINY.count(chr(10)) + 1}: duplicate key 'train' (first set on line {TRAIN_LINE})",
+          "delete one of them"),
+         {"bad.yaml": SFT_TINY + "train:\n  steps: 3\n"}),
+    Case("config-run-dir-is-a-file", "config", "run_dir naming an existing file",
+         SFT, ("run_dir {t}/run is an existing file, not a folder", "set run_dir to a folder you can write"),
+         {"run": "my notes, not a run folder\n"}),
+    Case("config-run-dir-under-a-file", "config", "run_dir that cannot be created (a file on its path)",
+         SFT + ("run_dir={t}/notes.txt/run",),
+         ("run_dir {t}/notes.txt/run cannot be created: {t}/notes.txt is a file",),
+         {"notes.txt": "my notes\n"}),
+    Case("config-run-dir-no-permission", "config", "run_dir in a folder nobody may create entries in (/sys)",
+         SFT + ("run_dir=/sys/posttrain-run",), ("run_dir /sys/posttrain-run cannot be created in /sys",)),
+    Case("config-prometheus-port-in-use", "config", "Prometheus exporter on a port another process listens on",
+         ("sft", "--config", "{t}/bad.yaml", RUN),
+         ("the Prometheus exporter cannot listen there", "the port is in use", "metrics.prometheus_port"),
+         {"bad.yaml": config_with_busy_port}),
+    Case("config-prometheus-bad-host", "config", "Prometheus host that is not an address of this machine",
+         SFT + ("metrics.sinks=[jsonl,prometheus]", "metrics.prometheus_host=192.0.2.1", "metrics.prometheus_port=0"),
+         ("metrics.prometheus_host='192.0.2.1'", "the host is not an address of this machine")),
+    Case("data-utf16", "data", "JSONL file saved as UTF-16 (with its byte-order mark)",
+         SFT + ("data.train={t}/rows.jsonl",), ("rows.jsonl:1: the file is UTF-16-encoded", "re-save", "as UTF-8"),
+         {"rows.jsonl": encoded('{"prompt": "1+1=", "completion": "2"}\n', "utf-16")}),
+    Case("data-latin1", "data", "JSONL file whose 2nd line is Latin-1, not UTF-8",
+         SFT + ("data.train={t}/rows.jsonl",), ("rows.jsonl:2: byte 16 of the line is not UTF-8", "as UTF-8"),
+         {"rows.jsonl": encoded('{"prompt": "1+1=", "completion": "2"}\n{"prompt": "caf\u00e9", '
+                                '"completion": "x"}\n', "latin-1")}),
+    Case("model-index-parent-path", "model", "model.safetensors.index.json naming a shard in ../",
+         SFT + HF, ("model.safetensors.index.json: the shard of tensor 'model.embed_tokens.weight' is "
+                    "'../outside.safetensors', which is not a file inside the model folder",),
+         {"model": index_folder("../outside.safetensors"), "outside.safetensors": "not read\n"}),
+    Case("model-index-absolute-path", "model", "model.safetensors.index.json naming a shard by absolute path",
+         SFT + HF, ("the shard of tensor 'model.embed_tokens.weight' is '/etc/hostname', which is not a file "
+                    "inside the model folder",), {"model": index_folder("/etc/hostname")}),
+    Case("model-generate-bad-dtype", "model", "`posttrain generate --dtype bfloat`",
+         ("generate", "--model", "{hf}", "--prompt", "hi", "--dtype", "bfloat"),
+         ("--dtype 'bfloat' is not a supported weights dtype", "bfloat16 (bf16)", "float16 (fp16, half, f16)")),
+    Case("checkpoint-export-bad-dtype", "checkpoint", "`posttrain export --dtype fp17`",
+         ("export", "--run", "{t}/run", "--out", "{t}/out", "--dtype", "fp17"),
+         ("--dtype 'fp17' is not a supported weights dtype", "float32 (fp32, float, f32)"),
+         {"run": run_folder({"run_dir": "{t}/run"}, weights=b"not read")}),
+    Case("checkpoint-export-into-run", "checkpoint", "`posttrain export --out` naming the run folder itself",
+         ("export", "--run", "{t}/run", "--out", "{t}/run"),
+         ("--out {t}/run is the run folder; exporting there would replace the run", "choose another --out"),
+         {"run": run_folder({"run_dir": "{t}/run"}, weights=b"weights")}),
+    Case("checkpoint-export-into-checkpoints", "checkpoint", "`posttrain export --out` inside the run's checkpoints/",
+         ("export", "--run", "{t}/run", "--out", "{t}/run/checkpoints/hf"),
+         ("is inside the files of the run folder {t}/run",),
+         {"run": run_folder({"run_dir": "{t}/run"}, weights=b"weights"), "run/checkpoints/2/x": "a checkpoint\n"}),
+    Case("checkpoint-export-over-user-files", "checkpoint", "`posttrain export --out` a folder with the user's files",
+         ("export", "--run", "{t}/run", "--out", "{t}/out"),
+         ("--out {t}/out already holds files that posttrain export did not write ('notes.txt')", "--overwrite"),
+         {"run": run_folder({"run_dir": "{t}/run"}, weights=b"weights"), "out/notes.txt": "mine\n"}),
 ]
