@@ -186,3 +186,31 @@ def test_template_errors_and_empty_messages_raise():
     tok.hf.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(PosttrainError, match="roles must alternate"):
         tok.apply_chat_template([{"role": "user", "content": "a"}])
+
+
+@pytest.mark.parametrize("folder", ["byte", "word_level"])
+def test_light_tokenizer_matches_transformers(tok, tmp_path, folder):
+    """A folder loaded without transformers encodes, decodes, renders and masks exactly as transformers does."""
+    from transformers import AutoTokenizer
+
+    if folder == "byte":
+        tok.save_pretrained(tmp_path)
+    else:
+        word_level_folder(tmp_path)
+    ours, theirs = Tokenizer.from_pretrained(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert ours._light is not None  # loaded without transformers
+    texts = TEXTS + ["<|end|>x <eos>", "a b zz"]
+    for text in texts:
+        for special in (True, False):
+            assert ours.encode(text, special) == theirs.encode(text, add_special_tokens=special)
+        ids = theirs.encode(text)
+        for skip in (True, False):
+            assert ours.decode(ids, skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert (ours.vocab_size, ours.bos_id, ours.eos_id, ours.eos_token, ours.get_vocab()) == \
+        (len(theirs), theirs.bos_token_id, theirs.eos_token_id, theirs.eos_token, theirs.get_vocab())
+    if folder == "byte":
+        for gen in (False, True):
+            assert ours.apply_chat_template(CHAT, gen, tokenize=False) == \
+                theirs.apply_chat_template(CHAT, add_generation_prompt=gen, tokenize=False)
+        out = theirs.apply_chat_template(CHAT, return_dict=True, return_assistant_tokens_mask=True)
+        assert ours.assistant_mask(CHAT) == (list(out["input_ids"]), list(out["assistant_masks"]))

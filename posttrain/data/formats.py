@@ -169,7 +169,7 @@ def _render_empty(tok, where: str) -> str:
     """What the template writes before a first assistant reply: render([], add_generation_prompt=True)."""
     try:
         # transformers rejects an empty conversation but not an empty one inside a batch of one.
-        return tok.hf.apply_chat_template([[]], add_generation_prompt=True, tokenize=False)[0]
+        return tok.render_chat([], add_generation_prompt=True, allow_empty=True)
     except Exception as err:  # the user's template may index messages[0]; any failure means "cannot"
         raise PosttrainError(
             f"{where}: the conversation starts with an assistant message and the chat template cannot render "
@@ -182,8 +182,7 @@ def _conversation(tok, messages, where, *, prompt, assistant_only_loss) -> tuple
     """Render `messages` (prompt + completion when `prompt` is given); mask = completion AND assistant."""
     text = _render(tok, messages, where, add_generation_prompt=False)
     # Tokenized exactly as apply_chat_template(tokenize=True) does: the template writes the specials.
-    enc = tok.hf(text, add_special_tokens=False)
-    ids = list(enc["input_ids"])
+    ids, enc = tok.encode_with_offsets(text)  # enc(c): the token holding character c
     mask = [1] * len(ids)
     if prompt is not None:
         prompt_text = _render(tok, prompt, where, add_generation_prompt=True)
@@ -210,17 +209,15 @@ def _conversation(tok, messages, where, *, prompt, assistant_only_loss) -> tuple
 
 
 def _assistant_mask(tok, messages, where, text, enc, ids) -> list[int]:
-    template = tok.hf.get_chat_template()
+    template = tok.chat_template
     if _GENERATION_TAG.search(template):
-        out = tok.hf.apply_chat_template(
-            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-        )
-        if list(out["input_ids"]) != ids:
+        out_ids, out_mask = tok.assistant_mask(messages, where)
+        if out_ids != ids:
             # Only a template that renders differently each call (e.g. today's date) gets here.
             raise PosttrainError(
                 f"{where}: the chat template rendered this conversation differently twice; it must be deterministic"
             )
-        return list(out["assistant_masks"])
+        return out_mask
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -252,10 +249,10 @@ def _span_mask(enc, n: int, spans: list[tuple[int, int]]) -> list[int]:
     for start, end in spans:
         # Characters a tokenizer drops (e.g. stripped spaces) map to no token: look past them.
         # Scanning in from each end keeps this to a few calls per span, not one per character.
-        first = next((t for c in range(start, end) if (t := enc.char_to_token(c)) is not None), None)
+        first = next((t for c in range(start, end) if (t := enc(c)) is not None), None)
         if first is None:
             continue
-        last = next(t for c in range(end - 1, start - 1, -1) if (t := enc.char_to_token(c)) is not None)
+        last = next(t for c in range(end - 1, start - 1, -1) if (t := enc(c)) is not None)
         for t in range(first, last + 1):
             mask[t] = 1
     return mask

@@ -110,7 +110,7 @@ def tokenize_pair(row, where: str, tok) -> tuple[list[int], list[int], list[int]
             raise PosttrainError(f"{where}: the '{col}' answer is empty; remove the row or fill it in (there is "
                                  f"nothing to compare)")
     if not conversational:
-        eos = tok.hf.eos_token or ""
+        eos = tok.eos_token or ""
         p = tok.encode(prompt)
         full = [tok.encode(prompt + (a if a.endswith(eos) else a + eos)) for a in (chosen, rejected)]
     else:

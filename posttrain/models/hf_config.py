@@ -15,6 +15,163 @@ MOE = ("qwen3_moe", "mixtral")  # mixture-of-experts families (models/moe.py)
 
 # ----------------------------------------------------------------------------- config
 
+# What transformers (5.12) gives a config field that config.json leaves out: each family's config-class defaults
+# for the fields config_from_hf reads (tests/test_models.py checks this reader against AutoConfig).
+_COMMON_DEFAULTS = dict(mlp_bias=False, attention_bias=False, attention_dropout=0.0, hidden_act="silu",
+                        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters=None, layer_types=None,
+                        head_dim=None, num_key_value_heads=None, sliding_window=None)
+_DEFAULTS = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, max_position_embeddings=2048),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=32768,
+                  use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
+                  use_sliding_window=False, sliding_window=4096, max_window_layers=28),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, sliding_window=4096),
+    "gemma": dict(vocab_size=256000, hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=16, head_dim=256, hidden_act="gelu_pytorch_tanh",
+                  max_position_embeddings=8192, tie_word_embeddings=True),
+    "gemma2": dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                   num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                   max_position_embeddings=8192, tie_word_embeddings=True, query_pre_attn_scalar=256,
+                   sliding_window=4096, final_logit_softcapping=30.0, attn_logit_softcapping=50.0),
+    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+                        tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                        final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False),
+    "gemma4_text": dict(vocab_size=262144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                        hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+                        tie_word_embeddings=True, sliding_window=512, final_logit_softcapping=None,
+                        use_bidirectional_attention=None, vocab_size_per_layer_input=262144,
+                        hidden_size_per_layer_input=256, num_global_key_value_heads=None, global_head_dim=512,
+                        attention_k_eq_v=False, num_kv_shared_layers=0, enable_moe_block=False,
+                        use_double_wide_mlp=False, num_experts=None, top_k_experts=None, moe_intermediate_size=None),
+    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                      num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=32768,
+                      use_sliding_window=False, sliding_window=4096, decoder_sparse_step=1, moe_intermediate_size=768,
+                      num_experts_per_tok=8, num_local_experts=128, norm_topk_prob=False, router_aux_loss_coef=0.001,
+                      mlp_only_layers=None),
+    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                    num_experts_per_tok=2, num_local_experts=8, router_aux_loss_coef=0.001, router_jitter_noise=0.0),
+}
+_DEFAULT_THETA = {"mixtral": 1_000_000.0}  # transformers' default_theta (10 000 for the rest; Gemma 3 below)
+_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}, "mixtral": {"num_experts": "num_local_experts"}}
+
+
+class HFConfig:
+    """A config.json read as transformers' config class would read it (defaults, derived fields, legacy RoPE
+    keys), as plain attributes, without importing transformers (which imports torch)."""
+
+    def __init__(self, raw: dict, model_type: Optional[str] = None):
+        mt = model_type or raw.get("model_type")
+        d = dict(_COMMON_DEFAULTS, **_DEFAULTS.get(mt, {}))
+        aliases = _ALIASES.get(mt, {})
+        for k, v in raw.items():
+            d[aliases.get(k, k)] = v
+        d["model_type"] = mt
+        if mt in _DEFAULTS:
+            _post_init(d, mt)
+        self.__dict__.update(d)
+        for alias, name in aliases.items():
+            self.__dict__[alias] = d.get(name)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _post_init(d: dict, mt: str) -> None:
+    """The __post_init__ of transformers' config class of `mt` (the fields config_from_hf reads)."""
+    if mt in ("llama", "mistral") and d.get("head_dim") is None:
+        d["head_dim"] = d["hidden_size"] // d["num_attention_heads"]
+    if d.get("num_key_value_heads") is None:
+        d["num_key_value_heads"] = d["num_attention_heads"]
+    L = d["num_hidden_layers"]
+    if mt in ("qwen2", "qwen3", "qwen3_moe"):
+        d["sliding_window"] = d.get("sliding_window") if d.get("use_sliding_window") else None
+    if mt in ("qwen2", "qwen3") and d.get("layer_types") is None:
+        d["layer_types"] = ["sliding_attention" if d["sliding_window"] is not None and i >= d["max_window_layers"]
+                            else "full_attention" for i in range(L)]
+    if mt == "qwen3_moe" and d.get("mlp_only_layers") is None:
+        d["mlp_only_layers"] = []
+    if mt == "gemma2" and d.get("layer_types") is None:
+        d["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+    if mt == "gemma3_text":
+        if d.get("use_bidirectional_attention"):
+            d["sliding_window"] = d["sliding_window"] // 2 + 1
+        if d.get("layer_types") is None:
+            pattern = d.get("sliding_window_pattern", 6)
+            d["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)]
+        rp = d.get("rope_parameters") or {"sliding_attention": {"rope_type": "default"},
+                                          "full_attention": {"rope_type": "default"}}
+        rp = {k: dict(v) if isinstance(v, dict) else v for k, v in rp.items()}
+        if d.get("rope_scaling") is not None:
+            rp["full_attention"].update(d["rope_scaling"])
+        rp.setdefault("full_attention", {"rope_type": "default"})
+        rp["full_attention"].setdefault("rope_theta", d.get("rope_theta", 1_000_000.0))
+        rp.setdefault("sliding_attention", {"rope_type": "default"})
+        rp["sliding_attention"].setdefault("rope_theta", d.get("rope_local_base_freq", 10_000.0))
+        d["rope_parameters"] = rp
+        _standardize_rope(d, None)
+        return
+    if mt == "gemma4_text":
+        if d.get("use_bidirectional_attention") == "all":
+            d["sliding_window"] = d["sliding_window"] // 2 + 1
+        if d.get("layer_types") is None:
+            d["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(L)]
+        if d["layer_types"] and d["layer_types"][-1] != "full_attention":
+            d["layer_types"] = list(d["layer_types"][:-1]) + ["full_attention"]
+        if d.get("rope_parameters") is None:
+            d["rope_parameters"] = {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+    # PreTrainedConfig.convert_rope_params_to_dict: legacy rope_scaling / rope_theta into rope_parameters
+    rp = d.get("rope_scaling") or d.get("rope_parameters")
+    rp = {k: dict(v) if isinstance(v, dict) else v for k, v in (rp or {}).items()}
+    theta = d.get("rope_theta", _DEFAULT_THETA.get(mt, 10_000.0))
+    rp.setdefault("rope_theta", theta)
+    if d.get("partial_rotary_factor") is not None:
+        rp.setdefault("partial_rotary_factor", d["partial_rotary_factor"])
+    d["rope_parameters"] = rp
+    _standardize_rope(d, theta)
+
+
+def _standardize_rope(d: dict, theta) -> None:
+    """transformers' standardize_rope_params: one dict, or one per layer type when keyed by layer types."""
+    rp, types = d["rope_parameters"], d.get("layer_types")
+    if not rp and not theta:
+        return
+    if types is None or rp == {} or not set(rp).issubset(types):
+        rp.setdefault("rope_type", rp.get("type", "default"))
+        rp.setdefault("rope_theta", theta)
+        if rp["rope_type"] in ("llama3", "yarn", "longrope"):
+            rp.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings",
+                                                                     d["max_position_embeddings"]))
+    else:
+        for t in set(types):
+            rp[t].setdefault("rope_type", rp[t].get("type", "default"))
+            rp[t].setdefault("rope_theta", theta)
+            if rp[t]["rope_type"] in ("llama3", "yarn", "longrope"):
+                rp[t].setdefault("original_max_position_embeddings", d["max_position_embeddings"])
+    # rope_theta inside a per-layer-type dict may be stripped by the dict() above: nothing else to do
+
+
+def read_hf_config(raw: dict, where: str = "config.json"):
+    """(config of the text model, tie_word_embeddings of the folder) from a parsed config.json; a multimodal
+    `gemma4` folder gives its text_config (the outer config ties the embeddings)."""
+    if raw.get("model_type") == gemma4.MULTIMODAL:
+        text = raw.get("text_config") or {}
+        return HFConfig(text, "gemma4_text"), bool(raw.get("tie_word_embeddings", True))
+    hf = HFConfig(raw)
+    return hf, bool(hf.tie_word_embeddings)
+
+
 
 def _rope(d: Optional[dict], default_theta: float = 10_000.0) -> RopeConfig:
     d = dict(d or {})

@@ -47,7 +47,7 @@ def tokenize_completion(tok: Tokenizer, prompt: Union[str, Messages], completion
     the eos text appended (unless the completion ends with it); conversations rendered whole by
     the chat template. tests/test_reward_model.py checks the two agree."""
     if isinstance(prompt, str) and isinstance(completion, str):
-        eos = tok.hf.eos_token or ""
+        eos = tok.eos_token or ""
         return tok.encode(prompt + (completion if completion.endswith(eos) else completion + eos))
     if not isinstance(prompt, list):
         raise PosttrainError(f"{where}: prompt is {type(prompt).__name__}; give a string with a string completion, "
