@@ -26,6 +26,7 @@ from flax import nnx
 
 from posttrain import sharding as sh
 from posttrain.errors import PosttrainError
+from posttrain.losses.logps import chunk_len
 from posttrain.models.attention import choose
 from posttrain.models.config import ModelConfig
 
@@ -83,7 +84,9 @@ def _activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, t: int, remat: 
     probabilities over seq_len keys (N seq_len / t each), on the blockwise path only a float32
     log-sum-exp per query and head (N / t): its tiles are recomputed in the backward pass.
     With remat only each layer's input (D) is kept, plus one layer's full set during its backward.
-    The loss head adds float32 logits and their gradient (2 V / t per token) and the embeddings.
+    The loss head keeps the final hidden state per token (D); its float32 logits exist one chunk at a time
+    (`losses.logps.token_logps`: at most LOGIT_BUDGET elements, [rows, T, V / t] when that fits), three such
+    arrays at the peak (logits, their softmax, their gradient).
     """
     D, N = cfg.embed_dim, cfg.num_heads
     cb = jnp.dtype(cfg.dtype).itemsize
@@ -94,8 +97,9 @@ def _activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, t: int, remat: 
     per_layer = [(5 * D + _heads(cfg, i, t) + _mlp_activations(cfg, i, t) + ple) * cb + attn
                  for i in range(cfg.num_layers)]
     layers = cfg.num_layers * D * cb + max(per_layer) if remat else sum(per_layer)
-    head = 2 * _split(cfg.vocab_size, t) * 4 + D * cb
-    return tokens * (layers + head)
+    V = _split(cfg.vocab_size, t)
+    logits = rows * chunk_len(rows, seq_len, V) * V
+    return tokens * (layers + D * cb) + 3 * 4 * logits
 
 
 def _heads(cfg: ModelConfig, i: int, t: int) -> int:

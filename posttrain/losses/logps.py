@@ -7,6 +7,9 @@ branch's first token), computes logits only there (never [B, L, V] over the prom
   sums        [B, k]  per-branch sums of token_logps * score_w (DPO's sequence log-probs)
   counts      [B, k]  per-branch sums of score_w (completion lengths)
 It is the building block of the preference losses (k = 2) and the policy losses (k = n samples).
+`token_logps(model, h, tgt)` is the vocabulary step they (and SFT, PPO) share: with a large vocabulary
+(SmolLM2's 49k) it computes the float32 logits chunk by chunk along the sequence, each chunk rematerialised
+in the backward pass, so a step holds one [B, c, V] chunk (<= LOGIT_BUDGET elements), never [B, M, V].
 
 What it is not: a loss.
 """
@@ -16,6 +19,48 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+LOGIT_BUDGET = 1 << 24  # float32 logit elements one chunk may hold (64 MiB); below it no chunking at all
+
+
+def chunk_len(rows: int, length: int, vocab: int, budget: int = LOGIT_BUDGET) -> int:
+    """Chunk length along the sequence: `length` when [rows, length, vocab] fits the budget, else the
+    smallest even split of `length` whose chunks do (at least 1 position)."""
+    if rows * length * vocab <= budget:
+        return length
+    chunks = -(-length // max(1, budget // (rows * vocab)))
+    return -(-length // chunks)
+
+
+def token_logps(model, h, tgt, *, temperature: float = 1.0, with_entropy: bool = False,
+                budget: int = LOGIT_BUDGET):
+    """(log p(tgt) [B, M], entropy [B, M] or None) under softmax(unembed(h) / temperature), float32, from
+    final hidden states h [B, M, D]; chunked along M when [B, M, V] exceeds `budget` (see the module doc)."""
+
+    def part(hc, tc):
+        logits = model.unembed(hc).astype(jnp.float32)
+        if temperature != 1.0:
+            logits = logits / temperature
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        lp = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0] - lse
+        ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1) if with_entropy else None
+        return lp, ent
+
+    B, M = tgt.shape
+    c = chunk_len(B, M, model.cfg.vocab_size, budget)
+    if c >= M:
+        return part(h, tgt)
+    nc = -(-M // c)
+    pad = nc * c - M
+    hs = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(B, nc, c, h.shape[-1]).swapaxes(0, 1)
+    ts = jnp.pad(tgt, ((0, 0), (0, pad))).reshape(B, nc, c).swapaxes(0, 1)
+    step = jax.checkpoint(part)  # the backward pass recomputes a chunk's logits instead of keeping them
+    _, (lp, ent) = jax.lax.scan(lambda carry, x: (carry, step(*x)), None, (hs, ts))
+
+    def unchunk(x):
+        return None if x is None else x.swapaxes(0, 1).reshape(B, nc * c)[:, :M]
+
+    return unchunk(lp), unchunk(ent)
+
 
 def branch_logps(model, batch, num_branches: int, *, temperature: float = 1.0, with_entropy: bool = False):
     """(token_logps [B, M], sums [B, k], counts [B, k]) for a batch of prefix-shared rows; with
@@ -23,17 +68,12 @@ def branch_logps(model, batch, num_branches: int, *, temperature: float = 1.0, w
     out = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
                 branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False)
     h = jnp.take_along_axis(out.hidden[-1], batch["score_src"][..., None], axis=1)  # [B, M, D]
-    logits = model.unembed(h).astype(jnp.float32)
-    if temperature != 1.0:
-        logits = logits / temperature
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tok = jnp.take_along_axis(logits, batch["score_tgt"][..., None], axis=-1)[..., 0] - lse
+    tok, ent = token_logps(model, h, batch["score_tgt"], temperature=temperature, with_entropy=with_entropy)
     w = batch["score_w"].astype(jnp.float32)
     tok = jnp.where(w != 0, tok, 0.0)
     onehot = jax.nn.one_hot(batch["score_branch"] - 1, num_branches, dtype=jnp.float32)  # branch 0 (padding) -> 0
     sums = jnp.einsum("bm,bmk->bk", tok * w, onehot)
     counts = jnp.einsum("bm,bmk->bk", w, onehot)
     if with_entropy:
-        ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
         return tok, sums, counts, jax.lax.stop_gradient(jnp.where(w != 0, ent, 0.0))
     return tok, sums, counts

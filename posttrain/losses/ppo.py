@@ -39,6 +39,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from posttrain.losses.logps import token_logps
 from posttrain.losses.policy import policy_loss, token_kl
 from posttrain.models.heads import last_token_scores
 
@@ -140,10 +141,7 @@ def make_ppo_loss(*, num_generations: int, max_new_tokens: int, temperature: flo
         out = policy(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
                      branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False)
         h = jnp.take_along_axis(out.hidden[-1], batch["score_src"][..., None], axis=1)  # [B, M, D]
-        logits = policy.unembed(h).astype(jnp.float32) / temperature
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        new = jnp.take_along_axis(logits, batch["score_tgt"][..., None], axis=-1)[..., 0] - lse
-        ent = lse - jnp.sum(jax.nn.softmax(logits, axis=-1) * logits, axis=-1)
+        new, ent = token_logps(policy, h, batch["score_tgt"], temperature=temperature, with_entropy=True)
         values = critic_values(model, batch, out.hidden[-1])
         N = new.shape[0] * n
         mask = (batch["score_w"] != 0).reshape(N, T).astype(jnp.float32)

@@ -8,15 +8,15 @@ the mean over all unmasked target tokens of the batch (token-weighted, not per-s
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
+
+from posttrain.losses.logps import token_logps
 
 
 def token_nll(model, hidden, targets):
-    """-log p(targets) [B, T] from final hidden states [B, T, D] (after the final norm); float32 log-softmax."""
-    logits = model.unembed(hidden).astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return lse - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    """-log p(targets) [B, T] from final hidden states [B, T, D] (after the final norm); float32 log-softmax,
+    chunked along T for a large vocabulary (`logps.token_logps`)."""
+    return -token_logps(model, hidden, targets)[0]
 
 
 def sft_loss(policy, batch, *, frozen=None, rng=None):

@@ -68,7 +68,10 @@ def memory_plan(c, model_cfg, mesh_shape: dict) -> dict:
         seq = 2 * c.data.max_length - 1  # prompt + the longer answer, plus the other answer
     else:
         seq = c.data.max_length
-    return plan(model_cfg, batch=c.train.micro_batch_size or c.train.batch_size, seq_len=seq,
+    kv = 0
+    if hasattr(c, "grpo") or hasattr(c, "ppo"):  # the sampler's cache: n rows per prompt, prompt + completion
+        kv = c.train.batch_size * rl.num_generations * (c.data.max_prompt_length + width)
+    return plan(model_cfg, batch=c.train.micro_batch_size or c.train.batch_size, seq_len=seq, kv_cache_tokens=kv,
                 mesh_shape=mesh_shape, preset=c.sharding.preset or "dp",
                 trainable="lora" if c.lora.enabled else "full", remat=c.model.remat, lora_rank=c.lora.rank,
                 lora_targets=c.lora.targets)
