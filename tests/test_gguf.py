@@ -414,3 +414,32 @@ def test_real_logits_and_greedy_match_transformers(real):
           f"sampler {t2 - t1:.1f} s, transformers generate {t3 - t2:.1f} s")
     assert rel <= 1e-5
     assert matches == len(prompts)
+
+
+def test_demo_real_quick_path(tiny, tmp_path):
+    """`make demo-real`'s path (configs/real/*.yaml, chat prompts, base -> GRPO -> DPO -> q8_0 GGUF, summary) with
+    1-step runs on the tiny chat model instead of SmolLM2: the stages chain, each export is scored on the same
+    held-out questions, and the GGUF holds the DPO model (transformers' loader gives its logits)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.models import from_pretrained
+    from posttrain.tasks import demo_real
+
+    out = tmp_path / "demo-real"
+    summary = demo_real.run(str(out), quick=True, progress=False, base=tiny["hf"])
+    assert [s["stage"] for s in summary["stages"]] == ["base", "grpo", "dpo"]
+    assert all(0.0 <= s["accuracy"] <= 1.0 and s["shapes"] for s in summary["stages"])
+    assert json.loads((out / "summary.json").read_text())["stages"][2]["folder"] == str(out / "dpo" / "hf")
+    def read(name):
+        return [json.loads(line) for line in (out / "data" / f"{name}.jsonl").read_text().splitlines()]
+
+    rows, train = read("eval"), {json.dumps(r["prompt"]) for r in read("prompts")}
+    assert len(rows) == 8 and rows[0]["prompt"][0]["role"] == "user"
+    assert not train & {json.dumps(r["prompt"]) for r in rows}  # held-out questions are never trained on
+    ids = np.arange(12, dtype=np.int64)[None] % len(tiny["tok"])
+    ref = AutoModelForCausalLM.from_pretrained(str(out / "dpo"), gguf_file=os.path.basename(summary["gguf"]))
+    with torch.no_grad():
+        theirs = ref(torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(from_pretrained(str(out / "dpo" / "hf"))(ids, np.arange(12)[None]).logits)
+    assert np.abs(theirs - ours).max() < 5e-2  # q8_0
