@@ -118,3 +118,51 @@ def test_ppo_raises_the_reward_of_an_sft_model_within_the_kl_target(tmp_path, sf
           f"{np.mean(kl):.4f} max {max(kl):.4f} (target {target}); (step, reward, kl, kl_coef, expl. var.) {curve}")
     assert after - before >= 0.08 and late - early >= 0.08, (before, after, curve)
     assert np.mean(kl) < target and max(kl) < 2.5 * target, curve
+
+
+def test_lora_grpo_learns_from_code_run_in_the_sandbox(tmp_path, sft_addition):
+    """The GRPO code-reward learning test: each sample becomes a program (`x = <completion>`, the prompt's
+    statement completed by the model, HumanEval style) that `code_tests` runs behind posttrain.sandbox's OS
+    boundary (bubblewrap; `make test` installs it) against the row's `assert x == <answer>`; LoRA GRPO on
+    that reward alone raises the sampled reward and the greedy held-out accuracy. Every program of every
+    step is a sandboxed process (48 steps x 8 prompts x 8 samples = 3,072), so the run is shorter than the
+    exact-answer test above; on the first rollout the sandboxed verdict equals the plain check (reply ==
+    answer) on every digit-only reply (a sandbox that fails a right program, or passes a wrong one, breaks it).
+    Seen on an AMD EPYC (AVX2): greedy 0.450 -> 0.655, sampled reward (first / last 12 steps) 0.229 -> 0.387."""
+    from posttrain.rewards import CodeTests
+    from posttrain.sandbox import resolve_mode
+
+    assert resolve_mode("auto") == "bwrap", "the code reward must run behind bubblewrap here"
+    train, evals = addition.make_pairs(digits=2, seed=0, n_eval=200)
+    prompts = addition.write_jsonl([{"prompt": r["prompt"], "tests": f"assert x == {int(r['completion'])}",
+                                     "answer": r["completion"]} for r in train], str(tmp_path / "prompts.jsonl"))
+    pairs = [(r["prompt"], r["completion"]) for r in evals]
+    code = CodeTests("tests", timeout_s=5.0)
+    checked = []
+
+    def answer_as_code(prompts, completions, tests, answer, **_):
+        scores = code(prompts, [f"x = {c.strip()}" for c in completions], tests=tests)
+        if not checked:  # the first rollout: the sandboxed verdict against the plain check, on digit-only replies
+            checked.append([(s, float(c.strip() == a)) for s, c, a in zip(scores, completions, answer)
+                            if c.strip().isdigit()])
+        return scores
+
+    cfg = C.from_dict(GRPOConfig, {
+        "model": {"path": sft_addition}, "data": {"train": prompts, "max_prompt_length": 8},
+        "grpo": {"num_generations": 8, "max_new_tokens": 4, "temperature": 0.7, "rewards": {"last_number": 1.0}},
+        "lora": {"enabled": True, "rank": 8}, "optim": {"lr": 1e-3, "schedule": "constant"},
+        "train": {"steps": 48, "batch_size": 8, "log_every": 1}, "metrics": {"sinks": ["jsonl"]},
+        "run_dir": str(tmp_path / "run")})
+    trainer = GRPOTrainer(cfg, progress=False)
+    trainer.reward_funcs, trainer.reward_weights = [answer_as_code], [1.0]
+    before = accuracy(trainer.model, trainer.tokenizer, pairs)
+    trainer.train()
+    after = accuracy(trainer.model, trainer.tokenizer, pairs)
+    curve = [round(m["reward/mean"], 3) for m in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))]
+    early, late = np.mean(curve[:12]), np.mean(curve[-12:])
+    print(f"code reward: greedy held-out accuracy {before:.3f} -> {after:.3f}; sampled reward {early:.3f} -> "
+          f"{late:.3f}; by step {curve}")
+    verdicts = checked[0]
+    assert len(verdicts) >= 32 and {e for _, e in verdicts} == {0.0, 1.0}, verdicts  # right and wrong replies
+    assert all(s == e for s, e in verdicts), verdicts
+    assert late - early >= 0.08 and after - before >= 0.08, (before, after, curve)
