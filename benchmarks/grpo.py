@@ -4,7 +4,8 @@
 --batch completions per step = (--batch / --num-generations) prompts x --num-generations samples,
 --prompt random prompt tokens, exactly --max-completion new tokens (no early stop), temperature 1,
 beta --grpo-beta (0: no reference forward), reward = fraction of even token ids in the completion;
-full fine-tune, AdamW 1e-5, loss dapo. A step is the GRPO trainer's own step (`GRPOTrainer.setup`):
+full fine-tune, AdamW 1e-5 (--lora R: LoRA rank R, 1e-4), loss dapo. A step is the GRPO trainer's own
+step (`GRPOTrainer.setup`):
 sampling on the train state's weights (one prefill per prompt), rewards, group advantages, one
 prefix-shared row per prompt, then the train step; timed from the rollout call until the step's
 metrics are on the host. Writes `grpo_step_s` (median, first step dropped; the anchors' key) and
@@ -32,7 +33,8 @@ args = parse_args([(("--num-generations",), dict(type=int, default=4)),
                    (("--max-completion",), dict(type=int, default=32)),
                    (("--grpo-beta",), dict(type=float, default=0.0)),
                    (("--steps",), dict(type=int, default=6)),
-                   (("--layout",), dict(choices=("shared", "both"), default="shared"))])
+                   (("--layout",), dict(choices=("shared", "both"), default="shared")),
+                   (("--lora",), dict(type=int, default=0, help="> 0: LoRA of this rank (lr 1e-4) instead of full"))])
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -80,7 +82,8 @@ def main():
         "model": {"path": ckpt}, "data": {"train": os.path.join(tmp, "p.jsonl"), "max_prompt_length": args.prompt},
         "grpo": {"num_generations": G, "max_new_tokens": args.max_completion, "temperature": 1.0,
                  "beta": args.grpo_beta, "rewards": {"last_number": 1.0}},
-        "optim": {"lr": 1e-5, "schedule": "constant", "max_grad_norm": 1.0},
+        "lora": {"enabled": args.lora > 0, "rank": max(args.lora, 1)},
+        "optim": {"lr": 1e-4 if args.lora else 1e-5, "schedule": "constant", "max_grad_norm": 1.0},
         "train": {"steps": args.steps, "batch_size": args.batch // G}, "run_dir": os.path.join(tmp, "run")})
     trainer = GRPOTrainer(cfg, progress=False)
     trainer.reward_funcs, trainer.reward_weights = [even_fraction], [1.0]  # the anchors' reward
