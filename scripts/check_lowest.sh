@@ -23,5 +23,5 @@ $PY -m venv "$V"
 echo "check_lowest: installed $(echo $PINS)"
 cd "$ROOT"
 "$V/bin/python" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_tokenizer.py tests/test_hf_config_json.py \
-  tests/test_xla_defaults.py "tests/test_cli.py::test_generate_chat_with_n_samples"
+  tests/test_xla_defaults.py "tests/test_cli.py::test_generate_chat_with_n_samples" tests/test_sft_cli.py
 echo "check_lowest: ok in $(( $(date +%s) - t0 )) s"

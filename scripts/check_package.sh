@@ -19,7 +19,7 @@ WHEEL=$(ls "$W"/dist/posttrain-*.whl)
 if "$W/tools/bin/python" -m zipfile -l "$WHEEL" | grep -E "(^|/)(tests|runs|benchmarks)/|__pycache__|\.pyc|\.ipynb_checkpoints"; then
   echo "check_package: the wheel holds tests, runs or caches (above)" >&2; exit 1
 fi
-"$W/tools/bin/python" -m zipfile -l "$WHEEL" | grep -q "posttrain/py.typed"
+"$W/tools/bin/python" -m zipfile -l "$WHEEL" | grep "posttrain/py.typed" >/dev/null  # not -q: an early exit breaks the pipe
 $PY -m venv "$W/venv"
 if [ -n "${PRE:-}" ]; then "$W/venv/bin/pip" install -q $PRE; fi
 "$W/venv/bin/pip" freeze > "$W/before.txt"
