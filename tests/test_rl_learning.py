@@ -57,12 +57,23 @@ def sft_addition(tmp_path_factory):
     return sft_to_partial_accuracy(str(tmp_path_factory.mktemp("sft_addition")))
 
 
-def rl_data(tmp_path):
-    """(prompts.jsonl of the training questions with their answers, held-out (prompt, answer) pairs)."""
+def rl_data(tmp_path, tests: bool = False):
+    """(prompts.jsonl of the training questions with their answers, held-out (prompt, answer) pairs); with
+    `tests` each row also has `assert x == <answer>` for the code reward."""
     train, evals = addition.make_pairs(digits=2, seed=0, n_eval=200)
-    path = addition.write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in train],
-                                str(tmp_path / "prompts.jsonl"))
-    return path, [(r["prompt"], r["completion"]) for r in evals]
+    rows = [{"prompt": r["prompt"], "answer": r["completion"],
+             **({"tests": f"assert x == {int(r['completion'])}"} if tests else {})} for r in train]
+    return addition.write_jsonl(rows, str(tmp_path / "prompts.jsonl")), [(r["prompt"], r["completion"]) for r in evals]
+
+
+def lora_grpo(tmp_path, model, prompts, *, steps: int, batch_size: int, log_every: int) -> GRPOTrainer:
+    """LoRA rank 8 GRPO, 8 samples of 4 tokens at temperature 0.7, lr 1e-3, the exact-answer reward."""
+    return GRPOTrainer(C.from_dict(GRPOConfig, {
+        "model": {"path": model}, "data": {"train": prompts, "max_prompt_length": 8},
+        "grpo": {"num_generations": 8, "max_new_tokens": 4, "temperature": 0.7, "rewards": {"last_number": 1.0}},
+        "lora": {"enabled": True, "rank": 8}, "optim": {"lr": 1e-3, "schedule": "constant"},
+        "train": {"steps": steps, "batch_size": batch_size, "log_every": log_every}, "metrics": {"sinks": ["jsonl"]},
+        "run_dir": str(tmp_path / "run")}), progress=False)
 
 
 def test_lora_grpo_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_addition):
@@ -71,13 +82,7 @@ def test_lora_grpo_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_addition
     depending on the CPU's round-off (AVX2 or AVX-512); 240 steps gained 22-27 points from three
     different SFT starts."""
     prompts, pairs = rl_data(tmp_path)
-    cfg = C.from_dict(GRPOConfig, {
-        "model": {"path": sft_addition}, "data": {"train": prompts, "max_prompt_length": 8},
-        "grpo": {"num_generations": 8, "max_new_tokens": 4, "temperature": 0.7, "rewards": {"last_number": 1.0}},
-        "lora": {"enabled": True, "rank": 8}, "optim": {"lr": 1e-3, "schedule": "constant"},
-        "train": {"steps": 240, "batch_size": 16, "log_every": 40}, "metrics": {"sinks": ["jsonl"]},
-        "run_dir": str(tmp_path / "run")})
-    trainer = GRPOTrainer(cfg, progress=False)
+    trainer = lora_grpo(tmp_path, sft_addition, prompts, steps=240, batch_size=16, log_every=40)
     before = accuracy(trainer.model, trainer.tokenizer, pairs)
     trainer.train()
     after = accuracy(trainer.model, trainer.tokenizer, pairs)
@@ -133,10 +138,7 @@ def test_lora_grpo_learns_from_code_run_in_the_sandbox(tmp_path, sft_addition):
     from posttrain.sandbox import resolve_mode
 
     assert resolve_mode("auto") == "bwrap", "the code reward must run behind bubblewrap here"
-    train, evals = addition.make_pairs(digits=2, seed=0, n_eval=200)
-    prompts = addition.write_jsonl([{"prompt": r["prompt"], "tests": f"assert x == {int(r['completion'])}",
-                                     "answer": r["completion"]} for r in train], str(tmp_path / "prompts.jsonl"))
-    pairs = [(r["prompt"], r["completion"]) for r in evals]
+    prompts, pairs = rl_data(tmp_path, tests=True)
     code = CodeTests("tests", timeout_s=5.0)
     checked = []
 
@@ -147,13 +149,7 @@ def test_lora_grpo_learns_from_code_run_in_the_sandbox(tmp_path, sft_addition):
                             if c.strip().isdigit()])
         return scores
 
-    cfg = C.from_dict(GRPOConfig, {
-        "model": {"path": sft_addition}, "data": {"train": prompts, "max_prompt_length": 8},
-        "grpo": {"num_generations": 8, "max_new_tokens": 4, "temperature": 0.7, "rewards": {"last_number": 1.0}},
-        "lora": {"enabled": True, "rank": 8}, "optim": {"lr": 1e-3, "schedule": "constant"},
-        "train": {"steps": 48, "batch_size": 8, "log_every": 1}, "metrics": {"sinks": ["jsonl"]},
-        "run_dir": str(tmp_path / "run")})
-    trainer = GRPOTrainer(cfg, progress=False)
+    trainer = lora_grpo(tmp_path, sft_addition, prompts, steps=48, batch_size=8, log_every=1)
     trainer.reward_funcs, trainer.reward_weights = [answer_as_code], [1.0]
     before = accuracy(trainer.model, trainer.tokenizer, pairs)
     trainer.train()

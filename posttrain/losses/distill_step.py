@@ -41,6 +41,7 @@ from posttrain.losses.distill import (
     logit_distill_loss,
     pool_features,
 )
+from posttrain.losses.logps import split_chunks
 
 
 def _cosine(a, b, eps=1e-8):
@@ -52,13 +53,9 @@ def _chunked(fn, arrays, chunk: int):
     """Σ over chunks of `fn(*chunk_arrays) -> (loss, metrics)`; arrays [B, T, ...] split along T.
 
     Positions past T (padding to a whole number of chunks) carry mask 0, the last array."""
-    T = arrays[0].shape[1]
-    if not chunk or chunk >= T:
+    if not chunk or chunk >= arrays[0].shape[1]:
         return fn(*arrays)
-    n = -(-T // chunk)
-    pad = n * chunk - T
-    padded = [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2)) for a in arrays]
-    xs = [jnp.moveaxis(a.reshape(a.shape[0], n, chunk, *a.shape[2:]), 1, 0) for a in padded]
+    xs = split_chunks(arrays, chunk)
     body_fn = jax.checkpoint(fn)
     zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *[x[0] for x in xs]))
 

@@ -31,6 +31,15 @@ def chunk_len(rows: int, length: int, vocab: int, budget: int = LOGIT_BUDGET) ->
     return -(-length // chunks)
 
 
+def split_chunks(arrays, chunk: int):
+    """Arrays [B, T, ...] padded along T to whole chunks of `chunk` positions and stacked as [n, B, chunk, ...]
+    (a `lax.scan`'s leading axis); the padding is zeros. Shared by `token_logps` and the distillation loss."""
+    T = arrays[0].shape[1]
+    n = -(-T // chunk)
+    padded = [jnp.pad(a, [(0, 0), (0, n * chunk - T)] + [(0, 0)] * (a.ndim - 2)) for a in arrays]
+    return [jnp.moveaxis(a.reshape(a.shape[0], n, chunk, *a.shape[2:]), 1, 0) for a in padded]
+
+
 def token_logps(model, h, tgt, *, temperature: float = 1.0, with_entropy: bool = False,
                 budget: int = LOGIT_BUDGET):
     """(log p(tgt) [B, M], entropy [B, M] or None) under softmax(unembed(h) / temperature), float32, from
@@ -49,17 +58,9 @@ def token_logps(model, h, tgt, *, temperature: float = 1.0, with_entropy: bool =
     c = chunk_len(B, M, model.cfg.vocab_size, budget)
     if c >= M:
         return part(h, tgt)
-    nc = -(-M // c)
-    pad = nc * c - M
-    hs = jnp.pad(h, ((0, 0), (0, pad), (0, 0))).reshape(B, nc, c, h.shape[-1]).swapaxes(0, 1)
-    ts = jnp.pad(tgt, ((0, 0), (0, pad))).reshape(B, nc, c).swapaxes(0, 1)
     step = jax.checkpoint(part)  # the backward pass recomputes a chunk's logits instead of keeping them
-    _, (lp, ent) = jax.lax.scan(lambda carry, x: (carry, step(*x)), None, (hs, ts))
-
-    def unchunk(x):
-        return None if x is None else x.swapaxes(0, 1).reshape(B, nc * c)[:, :M]
-
-    return unchunk(lp), unchunk(ent)
+    _, out = jax.lax.scan(lambda carry, x: (carry, step(*x)), None, split_chunks([h, tgt], c))
+    return tuple(None if x is None else jnp.moveaxis(x, 0, 1).reshape(B, -1)[:, :M] for x in out)
 
 
 def branch_logps(model, batch, num_branches: int, *, temperature: float = 1.0, with_entropy: bool = False):

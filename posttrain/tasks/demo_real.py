@@ -90,7 +90,7 @@ def shapes(texts: list[str], top: int = 3) -> list[tuple[str, int]]:
     return collections.Counter(re.sub(r"\d+", "N", t.strip())[:48] for t in texts).most_common(top)
 
 
-def dpo_pairs(scorer: Scorer, folder: str, rows: list[dict], k: int = 4) -> tuple[list[dict], int]:
+def dpo_pairs(scorer: Scorer, folder: str, rows: list[dict], k: int = 4) -> list[dict]:
     """Preference rows from `k` samples (temperature 0.6, as GRPO samples) per question: a right reply as
     chosen, a wrong one as rejected; questions without both give no pair."""
     texts = scorer.replies(folder, rows, n=k, temperature=0.6, max_new=16, seed=1)
@@ -102,7 +102,7 @@ def dpo_pairs(scorer: Scorer, folder: str, rows: list[dict], k: int = 4) -> tupl
         if right and wrong:
             pairs.append({"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": right[0]}],
                           "rejected": [{"role": "assistant", "content": wrong[0]}]})
-    return pairs, len(rows)
+    return pairs
 
 
 def table(rows: list[dict]) -> str:
@@ -155,13 +155,14 @@ def run(out_dir: str = "runs/demo-real", quick: bool = False, progress: bool = T
 
     t0 = time.perf_counter()
     shutil.rmtree(f"{out}/dpo", ignore_errors=True)
-    pairs, asked = dpo_pairs(scorer, f"{out}/grpo/hf", train[:QUICK["dpo_prompts"] if quick else 256])
+    asked = train[:QUICK["dpo_prompts"] if quick else 256]
+    pairs = dpo_pairs(scorer, f"{out}/grpo/hf", asked)
     if quick and not pairs:  # a 1-step GRPO model may never be right on 8 questions: the mechanics still run
         pairs = [{"prompt": r["prompt"], "chosen": [{"role": "assistant", "content": r["answer"]}],
                   "rejected": [{"role": "assistant", "content": str(int(r["answer"]) + 1)}]} for r in train[:4]]
     with open(f"{out}/data/pairs.jsonl", "w") as fh:
         fh.writelines(json.dumps(p) + "\n" for p in pairs)
-    print(f"[demo-real] {len(pairs)} preference pairs from {asked} training questions x 4 samples of the GRPO "
+    print(f"[demo-real] {len(pairs)} preference pairs from {len(asked)} training questions x 4 samples of the GRPO "
           "model (a right and a wrong reply each)", flush=True)
     cfg = C.load(DPOConfig, f"{CONFIGS}/smollm2_dpo.yaml", [
         f"model.path={out}/grpo/hf", f"data.train={out}/data/pairs.jsonl", f"run_dir={out}/dpo",

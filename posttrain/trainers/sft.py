@@ -59,18 +59,17 @@ def preset_config(mc, tok: Tokenizer):
 
 def memory_plan(c, model_cfg, mesh_shape: dict) -> dict:
     """`plan.plan` for a training config: one micro-batch, the config's preset, LoRA and remat."""
+    kv = 0  # KV-cache tokens: only RL samples while training
     if hasattr(c, "grpo") or hasattr(c, "ppo"):  # an RL row: the prompt once, then its n completions
         rl = c.grpo if hasattr(c, "grpo") else c.ppo  # (PPO's critic, a second model, is not counted)
         env = getattr(c, "env", None)  # an agentic episode takes up to env.max_tokens slots of its row
         width = env.max_tokens if env is not None and env.enabled else rl.max_new_tokens
         seq = c.data.max_prompt_length + rl.num_generations * width
+        kv = c.train.batch_size * rl.num_generations * (c.data.max_prompt_length + width)  # the sampler's cache
     elif hasattr(c, "dpo") or hasattr(c, "rm"):  # a pair row [prompt | chosen | rejected]: at most
         seq = 2 * c.data.max_length - 1  # prompt + the longer answer, plus the other answer
     else:
         seq = c.data.max_length
-    kv = 0
-    if hasattr(c, "grpo") or hasattr(c, "ppo"):  # the sampler's cache: n rows per prompt, prompt + completion
-        kv = c.train.batch_size * rl.num_generations * (c.data.max_prompt_length + width)
     return plan(model_cfg, batch=c.train.micro_batch_size or c.train.batch_size, seq_len=seq, kv_cache_tokens=kv,
                 mesh_shape=mesh_shape, preset=c.sharding.preset or "dp",
                 trainable="lora" if c.lora.enabled else "full", remat=c.model.remat, lora_rank=c.lora.rank,
