@@ -37,7 +37,7 @@ from posttrain.agentic.parsing import format_tool_call, render_tool_result
 from posttrain.agentic.tools import Calculator
 from posttrain.errors import PosttrainError
 from posttrain.rewards.functions import answers_match, extract_answer
-from posttrain.tasks import resolve_difficulty, sample_unique
+from posttrain.tasks.base import resolve_difficulty, sample_unique
 
 DEFAULTS = {"op": "*", "digits": 3, "operands": 2}
 LEVELS = {

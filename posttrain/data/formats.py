@@ -93,9 +93,9 @@ def tokenize_row(
         prompt_mask = 0 if completion_only_loss else 1
         return prompt_ids + completion_ids, [prompt_mask] * len(prompt_ids) + [1] * len(completion_ids)
     if fmt == "messages":
-        messages = _messages(row, "messages", where)
-        return _conversation(tok, messages, where, prompt=None, assistant_only_loss=assistant_only_loss)
-    prompt, completion = _messages(row, "prompt", where), _messages(row, "completion", where)
+        msgs = messages(row, "messages", where)
+        return _conversation(tok, msgs, where, prompt=None, assistant_only_loss=assistant_only_loss)
+    prompt, completion = messages(row, "prompt", where), messages(row, "completion", where)
     return _conversation(
         tok,
         prompt + completion,
@@ -129,17 +129,18 @@ def _with_eos(ids: list[int], tok, add_eos: bool, where: str) -> list[int]:
     return ids if ids and ids[-1] == tok.eos_id else ids + [tok.eos_id]
 
 
-def _messages(row: dict, field: str, where: str) -> list[dict]:
-    messages = row[field]
-    if not isinstance(messages, list):
+def messages(row: dict, field: str, where: str) -> list[dict]:
+    """`row[field]` checked as a list of {"role", "content"} messages; a PosttrainError naming `where` if not."""
+    msgs = row[field]
+    if not isinstance(msgs, list):
         raise PosttrainError(
-            f"{where}: field '{field}' must be a list of {{'role', 'content'}} messages, got {_kind(messages)}"
+            f"{where}: field '{field}' must be a list of {{'role', 'content'}} messages, got {_kind(msgs)}"
         )
-    if not messages:
+    if not msgs:
         raise PosttrainError(
             f"{where}: field '{field}' is an empty list of messages; remove the row or fill it in"
         )
-    for i, m in enumerate(messages):
+    for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise PosttrainError(
                 f"{where}: {field}[{i}] must be an object with 'role' and 'content', got {_kind(m)}"
@@ -158,7 +159,7 @@ def _messages(row: dict, field: str, where: str) -> list[dict]:
             raise PosttrainError(
                 f"{where}: {field}[{i}].content must be a string (or a list of parts), got {_kind(content)}"
             )
-    return messages
+    return msgs
 
 
 def _render(tok, messages: list[dict], where: str, add_generation_prompt: bool) -> str:

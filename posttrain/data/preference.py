@@ -38,7 +38,7 @@ import grain
 import numpy as np
 
 from posttrain.data.branches import pad_rows, shared_row
-from posttrain.data.formats import _messages
+from posttrain.data.formats import messages
 from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
@@ -114,7 +114,7 @@ def tokenize_pair(row, where: str, tok) -> tuple[list[int], list[int], list[int]
         p = tok.encode(prompt)
         full = [tok.encode(prompt + (a if a.endswith(eos) else a + eos)) for a in (chosen, rejected)]
     else:
-        msgs = [_messages({k: v}, k, where) if v else [] for k, v in
+        msgs = [messages({k: v}, k, where) if v else [] for k, v in
                 (("prompt", prompt), ("chosen", chosen), ("rejected", rejected))]
         if not msgs[0]:
             raise PosttrainError(f"{where}: the prompt is empty; give the conversation's first turns as 'prompt'")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from posttrain.data.formats import _messages
+from posttrain.data.formats import messages
 from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
@@ -40,7 +40,7 @@ def tokenize_prompt(row, where: str, tok, max_prompt_length: int) -> Prompt:
             raise PosttrainError(f"{where}: 'prompt' is empty; remove the row or fill it in")
         ids = tok.encode(prompt)
     elif isinstance(prompt, list):
-        ids = tok.apply_chat_template(_messages(row, "prompt", where), add_generation_prompt=True, where=where)
+        ids = tok.apply_chat_template(messages(row, "prompt", where), add_generation_prompt=True, where=where)
     else:
         raise PosttrainError(f"{where}: 'prompt' must be a string or a list of messages, got "
                              f"{type(prompt).__name__}")

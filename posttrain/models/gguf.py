@@ -286,7 +286,7 @@ def convert(gguf_file: str, out: str) -> str:
     """GGUF file -> Hugging Face folder at `out` (written in a temporary sibling, renamed at the end)."""
     from safetensors.numpy import save_file
 
-    from posttrain.models.hf import EXPORT_MARKER, _install, check_export_target
+    from posttrain.models.hf import EXPORT_MARKER, check_export_target, install
     from posttrain.models.hf_config import config_to_hf
 
     r = _reader(gguf_file)
@@ -333,7 +333,7 @@ def convert(gguf_file: str, out: str) -> str:
             json.dump(gen, fh, indent=2)
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as fh:  # a later convert or export may replace it
             json.dump({"written_by": "posttrain convert", "files": sorted(os.listdir(tmp))}, fh, indent=1)
-        _install(tmp, out)
+        install(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -348,12 +348,12 @@ def _hf_state(model) -> dict[str, np.ndarray]:
     import jax
     from flax import nnx
 
-    from posttrain.models.hf import _weight_map
+    from posttrain.models.hf import weight_map
     from posttrain.models.layers import Buffer
 
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, Buffer))))
     out = {}
-    for key, (names, _, save, *_alt) in _weight_map(model.cfg).items():
+    for key, (names, _, save, *_alt) in weight_map(model.cfg).items():
         arr = np.asarray(jax.device_get(flat[key][...]), dtype=np.float32)
         for n, a in zip(names, save(arr)):
             out[n] = np.ascontiguousarray(a)

@@ -48,12 +48,12 @@ from posttrain.models.config import ModelConfig
 
 # config_from_hf and config_to_hf are re-exported: `from posttrain.models.hf import config_from_hf` keeps working
 from posttrain.models.hf_config import (  # noqa: F401
-    _CLS_ARCH,
+    CLS_ARCH,
     SUPPORTED,
-    _text_type,
     config_from_hf,
     config_to_hf,
     read_hf_config,
+    text_type,
 )
 from posttrain.models.layers import Buffer
 from posttrain.models.transformer import Transformer
@@ -129,8 +129,8 @@ def _attn_map(m: dict, cfg: ModelConfig, i: int, a: str) -> None:
     m[L + ("o",)] = ([a + "o_proj.weight"], lambda w: w.T.reshape(K, G, H, D), lambda w: [w.reshape(K * G * H, D).T])
 
 
-def _weight_map(cfg: ModelConfig, head: Optional[str] = None,
-                prefix: str = "model.") -> dict[tuple, tuple[list[str], Callable, Callable]]:
+def weight_map(cfg: ModelConfig, head: Optional[str] = None,
+               prefix: str = "model.") -> dict[tuple, tuple[list[str], Callable, Callable]]:
     """head=None: the causal LM (lm_head unless tied); "score": a sequence classifier (score, no lm_head).
     prefix: where the backbone's weights live (a multimodal Gemma 4 folder: `model.language_model.`)."""
     gemma_sandwich = cfg.sandwich_norm
@@ -190,25 +190,25 @@ def _check_safetensors(path: str) -> None:
                              "copy the file again")
 
 
-def _tensor_files(path: str) -> dict[str, str]:
+def tensor_files(path: str) -> dict[str, str]:
     """HF key -> safetensors file, from the index json or the single model.safetensors."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
             with open(index) as fh:
-                weight_map = json.load(fh)["weight_map"]
+                shard_of = json.load(fh)["weight_map"]
         except (ValueError, KeyError) as e:
             raise PosttrainError(f"{index}: unreadable index ({e}); it needs a 'weight_map' object") from None
-        if not isinstance(weight_map, dict):
+        if not isinstance(shard_of, dict):
             raise PosttrainError(f"{index}: 'weight_map' must be an object of tensor name -> shard file")
         root = os.path.abspath(path)
-        for k, f in weight_map.items():  # a shard path that leaves the folder would read any file on the machine
+        for k, f in shard_of.items():  # a shard path that leaves the folder would read any file on the machine
             inside = os.path.normpath(os.path.join(root, f)) if isinstance(f, str) else ""
             if not isinstance(f, str) or os.path.isabs(f) or os.path.commonpath([root, inside]) != root:
                 raise PosttrainError(f"{index}: the shard of tensor {k!r} is {f!r}, which is not a file inside "
                                      f"the model folder {path}; shard paths must be relative names inside it, "
                                      "such as model-00001-of-00002.safetensors")
-        return {k: os.path.join(path, f) for k, f in weight_map.items()}
+        return {k: os.path.join(path, f) for k, f in shard_of.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.isfile(single):
         raise PosttrainError(f"{path}: no model.safetensors or model.safetensors.index.json; posttrain reads "
@@ -288,10 +288,10 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     if mesh is not None:
         from posttrain.sharding import put, state_shardings
         shardings = dict(nnx.to_flat_state(state_shardings(state, mesh, rules)))
-    files = _tensor_files(path)
+    files = tensor_files(path)
     checked: set = set()
     handles: dict = {}
-    wmap = _weight_map(cfg, head, prefix)
+    wmap = weight_map(cfg, head, prefix)
     flat = dict(nnx.to_flat_state(state))
     try:
         for key, var in flat.items():
@@ -354,14 +354,14 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
     head = "score" if ("score",) in flat else None
     if head == "score":
         labels = range(flat[("score",)].shape[-1])
-        mt = _text_type(cfg.family)
-        if mt not in _CLS_ARCH:
+        mt = text_type(cfg.family)
+        if mt not in CLS_ARCH:
             raise PosttrainError(f"cannot export a {cfg.family} model with a score head: transformers has no "
                                  f"{cfg.family} sequence classifier")
-        config_extra = {"architectures": [_CLS_ARCH[mt]], "id2label": {str(i): f"LABEL_{i}" for i in labels},
+        config_extra = {"architectures": [CLS_ARCH[mt]], "id2label": {str(i): f"LABEL_{i}" for i in labels},
                         "label2id": {f"LABEL_{i}": i for i in labels}, **config_extra}
     tensors: dict[str, np.ndarray] = {}
-    for key, (names, _, save, *_alt) in _weight_map(cfg, head).items():
+    for key, (names, _, save, *_alt) in weight_map(cfg, head).items():
         arr = np.asarray(jax.device_get(flat[key][...])).astype(out_dtype)
         for n, a in zip(names, save(arr)):
             tensors[n] = np.ascontiguousarray(a)
@@ -382,14 +382,14 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
         if len(shards) == 1:
             save_file(shards[0], os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         else:
-            weight_map = {}
+            shard_of = {}
             for i, s in enumerate(shards):
                 fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                 save_file(s, os.path.join(tmp, fname), metadata={"format": "pt"})
-                weight_map.update({n: fname for n in s})
+                shard_of.update({n: fname for n in s})
             with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as fh:
                 json.dump({"metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
-                           "weight_map": weight_map}, fh, indent=2)
+                           "weight_map": shard_of}, fh, indent=2)
         extra = dict(config_extra)
         if tokenizer is not None:
             extra.setdefault("bos_token_id", tokenizer.bos_id)
@@ -402,7 +402,7 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
             json.dump(hf_cfg, fh, indent=2)
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as fh:  # what a later export may replace
             json.dump({"written_by": "posttrain export", "files": sorted(_files(tmp))}, fh, indent=1)
-        _install(tmp, path)
+        install(tmp, path)
     except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -419,7 +419,7 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
 
 def _num_labels(path: str) -> int:
     """num_labels of a classifier folder: the rows of its score.weight (the config may omit id2label)."""
-    fname = _tensor_files(path).get("score.weight")
+    fname = tensor_files(path).get("score.weight")
     if fname is None:
         return 1  # from_pretrained reports the missing tensor
     with safe_open(fname, "numpy") as f:
@@ -495,7 +495,7 @@ def check_export_target(out: str, overwrite: bool = False, run_dir: Optional[str
                          + f"); {fix}, or pass --overwrite to replace the whole folder")
 
 
-def _install(tmp: str, path: str) -> None:
+def install(tmp: str, path: str) -> None:
     """Move a finished export into place. An existing folder is renamed aside first, the new one renamed
     into its place, and only then is the old one deleted (a failure in between puts the old one back)."""
     if not os.path.exists(path):

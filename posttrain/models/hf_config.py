@@ -265,7 +265,7 @@ def _moe_from_hf(hf, mt: str, where: str) -> dict:
 
 def config_to_hf(cfg: ModelConfig, **extra) -> dict:
     """A transformers config dict (model_type + fields) for a ModelConfig."""
-    mt = _text_type(cfg.family)
+    mt = text_type(cfg.family)
     if mt not in SUPPORTED:
         raise PosttrainError(f"cannot export family {cfg.family!r}; supported: {SUPPORTED}")
     only = [k for k in gemma4.GEMMA4_ONLY if mt != "gemma4_text" and getattr(cfg, k)]
@@ -338,13 +338,13 @@ _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "gemma3_text": "Gemma3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
          "mixtral": "MixtralForCausalLM"}
 # transformers' sequence-classification class of each family (gemma3_text: the text-only one).
-_CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
-             "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
-             "gemma": "GemmaForSequenceClassification", "gemma2": "Gemma2ForSequenceClassification",
-             "gemma3_text": "Gemma3TextForSequenceClassification",
-             "qwen3_moe": "Qwen3MoeForSequenceClassification", "mixtral": "MixtralForSequenceClassification"}
+CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
+            "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
+            "gemma": "GemmaForSequenceClassification", "gemma2": "Gemma2ForSequenceClassification",
+            "gemma3_text": "Gemma3TextForSequenceClassification",
+            "qwen3_moe": "Qwen3MoeForSequenceClassification", "mixtral": "MixtralForSequenceClassification"}
 
 
-def _text_type(family: str) -> str:
+def text_type(family: str) -> str:
     """The transformers model_type of a family (Gemma 3 and 4 export their text-only model types)."""
     return {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}.get(family, family)

@@ -1,12 +1,14 @@
 """Transformer building blocks: RMSNorm, RoPE, grouped-query attention with a KV cache, gated MLP
-(the mixture-of-experts block that replaces it on sparse layers, or runs beside it, is in moe.py).
+(the mixture-of-experts block that replaces it on sparse layers, or runs beside it, is in moe.py;
+the decoder layer that combines them, `Block`, is in transformer.py).
 
 What it is: the numerics of the decoder layer, written to match Hugging Face transformers
 (float32 RMSNorm, rotate-half RoPE with default/linear/llama3/proportional scaling, Gemma's (1 + w)
 norms, score and logit soft-capping, sliding windows), with Gemma 4's per-layer variants: a layer's
 own head size and kv heads, keys as values, KV-shared layers that attend an earlier layer's keys and
 values, value norms, per-layer input embeddings and a loaded layer scalar. What it is not: a model;
-`transformer.py` wires these together from a ModelConfig.
+`transformer.py` wires these together from a ModelConfig. This module imports neither moe.py nor
+transformer.py (both import it).
 
 Einsum legend: B batch, T query length, S key length, D embed, N query heads, K kv heads,
 G query heads per kv head (N = K * G), H head dim, F mlp, V vocab.
@@ -241,70 +243,3 @@ class MLP(nnx.Module):
         if (d := lora_update(self, "down", h)) is not None:
             y = y + d
         return y
-
-
-class Block(nnx.Module):
-    """One decoder layer: pre-norm attention and MLP residuals (Gemma 2/3/4 add post-norms).
-
-    Gemma 4 adds, per ModelConfig: the routed experts beside the dense MLP (`moe_beside_mlp`: each
-    branch post-normed, summed, then the shared post-norm), a per-layer input residual after the MLP
-    (`per_layer_dim`: down(act(gate(x)) * per-layer input), normed) and a loaded output scalar."""
-
-    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
-        from posttrain.models.moe import MoE
-
-        pd = jnp.dtype(cfg.param_dtype)
-        norm = dict(eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, param_dtype=pd)
-        D, P = cfg.embed_dim, cfg.per_layer_dim
-        self.attn_norm = RMSNorm(D, **norm)
-        self.attn = Attention(cfg, layer, rngs=rngs)
-        self.mlp_norm = RMSNorm(D, **norm)
-        routed = cfg.is_moe_layer(layer)
-        self.mlp = MoE(cfg, rngs=rngs) if routed and not cfg.moe_beside_mlp else MLP(
-            cfg, rngs=rngs, width=cfg.layer_mlp_dim(layer))
-        # Gemma 4: experts beside the MLP (HF norms: pre_feedforward_layernorm_2, post_feedforward_layernorm_1, _2)
-        beside = routed and cfg.moe_beside_mlp
-        self.moe = MoE(cfg, rngs=rngs) if beside else None
-        self.moe_norm, self.post_dense_norm, self.post_moe_norm = (RMSNorm(D, **norm) if beside else None
-                                                                   for _ in range(3))
-        if cfg.sandwich_norm:
-            self.post_attn_norm, self.post_mlp_norm = RMSNorm(D, **norm), RMSNorm(D, **norm)
-        else:
-            self.post_attn_norm = self.post_mlp_norm = None
-        # Gemma 4 per-layer inputs (HF: per_layer_input_gate, per_layer_projection, post_per_layer_input_norm)
-        init = nnx.initializers.normal(0.02)
-        self.ple_gate = param(init(rngs.params(), (D, P), pd), ("embed", None)) if P else None
-        self.ple_proj = param(init(rngs.params(), (P, D), pd), (None, "embed")) if P else None
-        self.ple_norm = RMSNorm(D, **norm) if P else None
-        scalar = cfg.layer_scalar  # Gemma 4's layer_scalar: loaded, never trained
-        self.layer_scalar = Buffer(jnp.ones((1,), pd), out_sharding=(None,), eager_sharding=False) if scalar else None
-        self.act = jax.nn.silu if cfg.activation == "silu" else (lambda z: jax.nn.gelu(z, approximate=True))
-        # static: the Transformer passes the (cos, sin) of this (RopeConfig, head size)
-        self.rope = (cfg.layer_rope(layer), cfg.layer_head_dim(layer))
-
-    def __call__(self, x, rope, layout, kv=None, write_index=None, return_attn=False, shared_kv=None,
-                 per_layer_input=None):
-        """Returns (x, kv, attention probabilities or None, router logits [B, T, E] or None: dense MLP).
-
-        shared_kv: the source layer's (k, v) for a KV-shared layer; per_layer_input [B, T, P] (Gemma 4)."""
-        h, kv, attn = self.attn(self.attn_norm(x), rope, layout, kv, write_index, return_attn, shared_kv)
-        if self.post_attn_norm is not None:
-            h = self.post_attn_norm(h)
-        x = x + h
-        h, router = self.mlp(self.mlp_norm(x)), None
-        if isinstance(h, tuple):  # mixture of experts (models/moe.py)
-            h, router = h
-        if self.moe is not None:  # Gemma 4: the experts see the layer's input; the router normalises its own
-            e, router = self.moe(self.moe_norm(x), router_x=x)
-            h = self.post_dense_norm(h) + self.post_moe_norm(e)
-        if self.post_mlp_norm is not None:
-            h = self.post_mlp_norm(h)
-        x = x + h
-        if self.ple_gate is not None:
-            dt = x.dtype
-            h = self.act(x @ self.ple_gate[...].astype(dt)) * per_layer_input.astype(dt)
-            x = x + self.ple_norm(h @ self.ple_proj[...].astype(dt))
-        if self.layer_scalar is not None:
-            x = x * self.layer_scalar[...].astype(x.dtype)
-        x = constrain(x, ("batch", "seq", "embed"))
-        return x, kv, attn, router

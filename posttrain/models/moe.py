@@ -3,7 +3,7 @@ to the step.
 
 What it is: the routed replacement for the dense gated MLP on a model's sparse layers
 (`ModelConfig.num_experts > 0`, every layer not in `dense_layers`), or, for Gemma 4
-(`moe_beside_mlp`), a second branch beside every layer's dense MLP (layers.Block adds the norms).
+(`moe_beside_mlp`), a second branch beside every layer's dense MLP (transformer.Block adds the norms).
 Routing follows Hugging Face transformers 5.12 exactly: router logits = x W_r (compute dtype),
 probabilities = float32 softmax, the top-k experts per token, their probabilities renormalised to
 sum 1 when `norm_topk_prob` (Mixtral, Gemma 4 always), and y = sum_k p_k * down_e(act(gate_e(x)) * up_e(x)).
@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.models.config import ModelConfig
+from posttrain.models.layers import rms_normalize, split
 from posttrain.sharding import constrain, param
 
 # ------------------------------------------------------------------------------------------ block
@@ -156,8 +157,6 @@ class MoE(nnx.Module):
 
     def __call__(self, x, router_x=None):
         """x [B, T, D] -> (y [B, T, D], router logits [B, T, E] float32); router_x: the router's input if not x."""
-        from posttrain.models.layers import rms_normalize, split
-
         dt, k = self.dtype, self.k
         B, T, D = x.shape
         E, _, _, F = self.expert_gate_up.shape
@@ -238,9 +237,9 @@ class RouterSink:
     """Router statistics recorded by the Transformers inside one model during one loss call."""
 
     def __init__(self, model):
-        from posttrain.models.transformer import Transformer
-
-        self.owners = {id(m) for _, m in nnx.iter_graph(model) if isinstance(m, Transformer)}
+        # Every module inside `model`: only a Transformer calls `record`, so this admits exactly the
+        # Transformers inside it (no isinstance check, so this module need not import transformer.py).
+        self.owners = {id(m) for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}
         self.records: list = []  # (cfg, stats)
 
     def record(self, owner, router_logits, valid) -> None:

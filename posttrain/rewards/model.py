@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.data.formats import _messages
+from posttrain.data.formats import messages
 from posttrain.errors import PosttrainError
 from posttrain.models.heads import last_token_scores, score_index
 from posttrain.models.hf import from_pretrained
@@ -54,7 +54,7 @@ def tokenize_completion(tok: Tokenizer, prompt: Union[str, Messages], completion
                              "or a list of messages")
     if isinstance(completion, str):
         completion = [{"role": "assistant", "content": completion}]
-    msgs = _messages({"prompt": prompt}, "prompt", where) + _messages({"completion": completion}, "completion", where)
+    msgs = messages({"prompt": prompt}, "prompt", where) + messages({"completion": completion}, "completion", where)
     return tok.apply_chat_template(msgs, where=where)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from posttrain.errors import PosttrainError
 from posttrain.rewards.functions import answers_match, extract_answer
-from posttrain.tasks import TaskData, build, resolve_difficulty, sample_unique
+from posttrain.tasks.base import TaskData, build, resolve_difficulty, sample_unique
 
 DEFAULTS = {"digits": 2, "operands": 2, "ops": "+", "min_carries": 0}
 LEVELS = {

@@ -28,7 +28,7 @@ from typing import Any
 
 from posttrain.errors import PosttrainError
 from posttrain.rewards.functions import countdown_valid, safe_arithmetic
-from posttrain.tasks import TaskData, build, resolve_difficulty, sample_unique
+from posttrain.tasks.base import TaskData, build, resolve_difficulty, sample_unique
 
 DEFAULTS = {"count": 3, "max_value": 25, "ops": "+-*", "use_all": False, "max_target": 999}
 LEVELS = {
