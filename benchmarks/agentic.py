@@ -41,9 +41,9 @@ from posttrain import config as C  # noqa: E402
 from posttrain.agentic import recipe, task  # noqa: E402
 from posttrain.agentic.rollout import evaluate  # noqa: E402
 from posttrain.models import from_pretrained  # noqa: E402
+from posttrain.runs import export_run  # noqa: E402
 from posttrain.tokenizer import byte_tokenizer  # noqa: E402
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from posttrain.trainers.sft import export_run  # noqa: E402
 
 out, t_all = args.out, time.perf_counter()
 times = {}

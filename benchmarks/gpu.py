@@ -83,7 +83,7 @@ from posttrain.train import init_state, make_train_step  # noqa: E402
 from posttrain.train.lifecycle import place_batch  # noqa: E402
 from posttrain.train.metrics import model_flops_per_token  # noqa: E402
 from posttrain.trainers import grpo as grpo_module  # noqa: E402
-from posttrain.trainers.sft import memory_plan  # noqa: E402
+from posttrain.train.build import memory_plan  # noqa: E402
 
 
 def left() -> float:
@@ -267,17 +267,17 @@ def grpo(cfg):
                        for _ in range(P * (args.grpo_steps + 1))]
     trainer.length = -(-(L + G * N) // 8) * 8
     parts = trainer.setup()
-    rollout = parts["rollout"]
+    rollout = parts.batches
     rollout.prompts = trainer.prompts
     rollout.params = dataclasses.replace(rollout.params, stop_ids=())  # exactly N new tokens per sample
-    state, steps, gens, new = parts["state"], [], [], []
+    state, steps, gens, new = parts.state, [], [], []
     for i in range(args.grpo_steps):
         if i >= 2 and left() < 1.5 * steps[-1] + 5:
             log(f"  time budget: stopping after {i} GRPO steps")
             break
         t0 = time.perf_counter()
         batch = rollout(state)
-        state, metrics = parts["step"](state, place_batch(batch))
+        state, metrics = parts.step(state, place_batch(batch))
         jax.device_get(metrics["loss"])
         steps.append(time.perf_counter() - t0)
         st = rollout.metrics()
@@ -286,7 +286,8 @@ def grpo(cfg):
         log(f"  GRPO step {i + 1}: {steps[-1]:.2f} s (generate {gens[-1]:.2f} s)")
     timed = slice(1, None) if len(steps) > 1 else slice(None)  # the first step compiles
     gen_s = statistics.median(gens[timed])
-    p = memory_plan(gcfg, cfg, {"data": 1})
+    seq, kv = trainer.plan_rows(gcfg)
+    p = memory_plan(gcfg, cfg, {"data": 1}, seq_len=seq, kv_cache_tokens=kv)
     res = {"prompts": P, "generations": G, "prompt_len": L, "new_tokens": N, "row_tokens": trainer.length,
            "remat": cfg.remat, "step_s": statistics.median(steps[timed]), "first_step_s": steps[0],
            "step_times": [round(t, 4) for t in steps],

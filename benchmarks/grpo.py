@@ -92,10 +92,10 @@ def main():
                               "", {}) for _ in range(args.batch * (args.steps + 1))]
     trainer.length = -(-(args.prompt + G * args.max_completion) // 8) * 8
     parts = trainer.setup()
-    rollout = parts["rollout"]
+    rollout = parts.batches
     rollout.prompts = trainer.prompts
     rollout.params = dataclasses.replace(rollout.params, stop_ids=())  # exactly max_completion tokens
-    state, times, train_times, seen = parts["state"], [], [], {}
+    state, times, train_times, seen = parts.state, [], [], {}
     if args.layout == "both" and args.grpo_beta:
         raise SystemExit("--layout both times the loss without a reference model: use --grpo-beta 0")
     if args.layout == "both":  # the same start and optimiser, the loss on one-branch rows
@@ -118,7 +118,7 @@ def main():
         batch = rollout(state)
         t1 = time.perf_counter()
         t0 += seen.pop("aside_s", 0.0)
-        state, metrics = parts["step"](state, place_batch(batch))
+        state, metrics = parts.step(state, place_batch(batch))
         jax.device_get(metrics["loss"])
         times.append(time.perf_counter() - t0)
         train_times.append(time.perf_counter() - t1)

@@ -55,14 +55,14 @@ def timed(trainer, prompts, G):
     trainer.prompts = prompts
     trainer.length = -(-(args.prompt + G * args.max_completion) // 8) * 8
     parts = trainer.setup()
-    rollout = parts["rollout"]
+    rollout = parts.batches
     rollout.prompts = prompts
     rollout.params = dataclasses.replace(rollout.params, stop_ids=())  # exactly max_completion tokens
-    state, times = parts["state"], []
+    state, times = parts.state, []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         batch = rollout(state)
-        state, metrics = parts["step"](state, place_batch(batch))
+        state, metrics = parts.step(state, place_batch(batch))
         jax.device_get(metrics["loss"])
         times.append(time.perf_counter() - t0)
     return times, rollout.metrics()

@@ -13,7 +13,7 @@ import sys
 
 from posttrain import _xla_defaults  # noqa: F401  (before JAX starts)
 from posttrain.errors import PosttrainError, RunStopped
-from posttrain.trainers import TRAINERS, trainer_classes
+from posttrain.trainers import TRAINERS, recipe_class
 
 
 def _generate(args) -> None:
@@ -43,30 +43,16 @@ def _generate(args) -> None:
 
 
 def _done(name, r) -> str:
-    """The one line a finished training run prints."""
-    line = f"[{name}] done: loss {r['first_loss']:.4f} -> {r['loss']:.4f}"
-    if name == "dpo":
-        line += f", reward accuracy {r['rewards/accuracies']:.1%}"
-    elif name == "rm" and "eval_accuracy" in r:
-        line += f", held-out accuracy {r['eval_accuracy']:.3f}"
-    elif name == "grpo":
-        line = f"[grpo] done: {r['step']} steps, reward {r.get('reward/mean', float('nan')):.3f}"
-    elif name == "ppo":
-        line = (f"[ppo] done: {r['step']} steps, reward {r.get('reward/mean', float('nan')):.3f}, "
-                f"kl {r.get('kl', float('nan')):.4f}")
-    elif name == "distill":
-        if "eval_teacher_kl" in r:
-            line += (f", held-out KL(teacher||student) {r['eval_teacher_kl']:.4f}, top-1 agreement "
-                     f"{r['eval_top1_agreement']:.1%}")
-    return f"{line} in {r['seconds']:.1f} s"
+    """The one line a finished training run prints (its recipe's `done_line`)."""
+    return f"[{name}] done: {recipe_class(name).done_line(r)} in {r['seconds']:.1f} s"
 
 
 def _train(args) -> None:
     from posttrain import config as C
     from posttrain.sharding import is_main_process
 
-    cfg_cls, trainer_cls = trainer_classes(args.command)
-    result = trainer_cls(C.load(cfg_cls, args.config, args.overrides)).train()
+    recipe = recipe_class(args.command)
+    result = recipe(C.load(recipe.config_class, args.config, args.overrides)).train()
     if result.get("finished") or not is_main_process():  # one process reports
         return
     print(_done(args.command, result))
@@ -77,16 +63,14 @@ def _plan(args) -> None:
 
     from posttrain import config as C
     from posttrain import sharding as sh
-    from posttrain.models import load_config
     from posttrain.plan import format_plan
-    from posttrain.trainers.sft import build_tokenizer, memory_plan, preset_config, run_config_class
+    from posttrain.runs import config_recipe
+    from posttrain.train.build import build_tokenizer, memory_plan, model_config
 
-    cfg = C.load(run_config_class(args.config), args.config, args.overrides)
+    recipe = recipe_class(config_recipe(args.config))
+    cfg = C.load(recipe.config_class, args.config, args.overrides)
     mc = cfg.model
-    if mc.path:  # the same ModelConfig the trainer builds
-        model_cfg = load_config(mc.path, mc.text_only).replace(param_dtype=mc.dtype, dtype=mc.compute_dtype or mc.dtype)
-    else:
-        model_cfg = preset_config(mc, build_tokenizer(mc))
+    model_cfg = model_config(mc, build_tokenizer(mc))  # the same ModelConfig the trainer builds
     shape = dict(cfg.sharding.mesh_shape) if cfg.sharding.mesh_shape else None
     if cfg.sharding.preset is None:
         n = 1
@@ -100,7 +84,8 @@ def _plan(args) -> None:
         n = jax.device_count()
     mesh_shape = dict(zip(sh.MESH_AXES, sh.mesh_dims(cfg.sharding.preset or "dp", n, shape)))
     device_bytes = int(args.device_memory * 2**30) if args.device_memory else None
-    print(format_plan(memory_plan(cfg, model_cfg, mesh_shape), device_bytes))
+    seq, kv = recipe.plan_rows(cfg)
+    print(format_plan(memory_plan(cfg, model_cfg, mesh_shape, seq_len=seq, kv_cache_tokens=kv), device_bytes))
 
 
 def _export(args) -> None:
@@ -113,13 +98,13 @@ def _export(args) -> None:
 
             print(f"exported to {export_model_dir(args.model, args.gguf, args.gguf_type)}")
         else:
-            from posttrain.trainers.sft import export_run_gguf
+            from posttrain.runs import export_run_gguf
 
             print(f"exported to {export_run_gguf(args.run, args.gguf, args.gguf_type)}")
         return
     if not args.run or not args.out or args.model:
         raise PosttrainError("export needs --run RUN_DIR and --out HF_DIR (or --gguf FILE with --run or --model)")
-    from posttrain.trainers.sft import export_run
+    from posttrain.runs import export_run
 
     print(f"exported to {export_run(args.run, args.out, dtype=args.dtype, overwrite=args.overwrite)}")
 
@@ -184,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "float16 (fp16, half)")
     g.add_argument("--text-only", action="store_true", help="a multimodal Gemma 4 folder: its text model only")
     g.set_defaults(func=_generate)
-    for name, (_, _, _, helptext) in TRAINERS.items():
+    for name, (_, helptext) in TRAINERS.items():
         t = sub.add_parser(name, help=helptext)
         t.add_argument("--config", required=True, help=f"YAML file, e.g. configs/{name}_tiny.yaml")
         t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 train.steps=100")

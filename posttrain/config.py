@@ -369,6 +369,19 @@ class PreferenceDataSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class PromptDataSection:
+    train: str  # prompt rows: {"prompt": str | [messages], other columns...} (.jsonl, .parquet, folder)
+    max_prompt_length: int = 256  # the sampler's prompt budget in tokens; longer prompts are row errors
+    skip_bad_rows: bool = False  # skip (and count) bad rows instead of raising
+    shuffle: bool = True  # shuffle the prompt stream every epoch
+    seed: int = 0  # shuffle seed
+
+    def __post_init__(self):
+        if self.max_prompt_length < 1:
+            raise PosttrainError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OptimSection:
     lr: float = 1e-5  # peak learning rate (after warmup); default 1e-5
     schedule: Literal["constant", "linear", "cosine"] = "cosine"  # decay after warmup; default cosine

@@ -38,7 +38,7 @@ import yaml
 
 from posttrain import config as C
 from posttrain.errors import PosttrainError
-from posttrain.trainers import TRAINERS, trainer_classes
+from posttrain.trainers import TRAINERS, recipe_class
 
 TOP_KEYS = ("run_dir", "model", "sharding", "defaults", "stages")
 STAGE_KEYS = ("task", "name", "config")  # a stage's own keys; the rest are its trainer's config keys
@@ -244,7 +244,7 @@ class Pipeline:
                 raise PosttrainError(f"{at}: 'run_dir' is set by the pipeline ({self.run_dir}/{name}); "
                                      "set the pipeline's run_dir instead")
             cfg["run_dir"] = os.path.join(self.run_dir, name)
-            cfg_cls, _ = trainer_classes(task)
+            cfg_cls = recipe_class(task).config_class
             out.append(Stage(name, task, C.from_dict(cfg_cls, cfg, where=at), at))
             hf[name] = out[-1].hf
             if task != "rm":
@@ -257,9 +257,9 @@ class Pipeline:
         import jax
         from jax.experimental import multihost_utils
 
+        from posttrain.runs import export_run
         from posttrain.sharding import is_main_process
         from posttrain.train.lifecycle import check_same_run
-        from posttrain.trainers.sft import export_run
 
         if dataset is not None:
             self._set_dataset(dataset)
@@ -279,7 +279,7 @@ class Pipeline:
                 if stage.config.checkpoint.resume and os.path.isfile(started):  # resuming: from the same inputs?
                     with open(started) as fh:
                         stage.check_inputs(json.load(fh), ids)
-                _, trainer_cls = trainer_classes(stage.task)
+                trainer_cls = recipe_class(stage.task)
                 _print(f"[pipeline] stage {stage.name} ({stage.task}) -> {stage.run_dir}")
                 trainer = trainer_cls(stage.config, progress=self.progress)  # checks everything, writes nothing
                 if is_main_process():
@@ -310,7 +310,7 @@ class Pipeline:
             with open(path, "w") as fh:
                 fh.writelines(json.dumps(dict(r)) + "\n" for r in dataset)
             dataset = path
-        cfg_cls, _ = trainer_classes(first.task)
+        cfg_cls = recipe_class(first.task).config_class
         data = C.to_dict(first.config)
         data["data"]["train"] = os.fspath(dataset)
         first.config = C.from_dict(cfg_cls, data, where=first.where)

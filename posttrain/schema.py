@@ -76,20 +76,20 @@ def _inline(node, defs: dict):
 
 
 def trainer_schema(task: str) -> dict:
-    from posttrain.trainers import trainer_classes
+    from posttrain.trainers import recipe_class
 
-    cfg_cls, _ = trainer_classes(task)
+    cfg_cls = recipe_class(task).config_class
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **json_schema(cfg_cls),
             "title": f"posttrain {task} config"}
 
 
 def pipeline_schema() -> dict:
     """A `posttrain run` file: run_dir, model, sharding, defaults and stages (one trainer config each)."""
-    from posttrain.trainers import TRAINERS, trainer_classes
+    from posttrain.trainers import TRAINERS, recipe_class
 
     stages = []
     for task in TRAINERS:
-        s = _partial(json_schema(trainer_classes(task)[0]))  # the rest may come from `config:` or defaults
+        s = _partial(json_schema(recipe_class(task).config_class))  # the rest may come from `config:` or defaults
         props = {k: v for k, v in s["properties"].items() if k != "run_dir"}  # the pipeline places stages
         props["model"] = {"anyOf": [{"type": "string"}, props["model"]]}  # a folder or a preset name
         props.update(task={"const": task}, name={"type": "string", "pattern": "^[A-Za-z0-9_-]+$"},

@@ -71,9 +71,18 @@ LONGEST_FIRST = ["test_faults.py", "test_rl_learning.py", "test_docs.py", "test_
                  "test_pipeline.py", "test_generate.py", "test_reward_model.py"]
 
 
+# `make test-fast` (the edit loop) leaves these files out: -m "not slow". They train whole runs, start
+# processes or compare real checkpoints; `make test` runs everything.
+SLOW_FILES = set(LONGEST_FIRST) | {"test_multiprocess.py", "test_sharded_sft.py", "test_nonfinite.py",
+                                   "test_agentic_env.py", "test_report.py", "test_gpu_bench.py"}
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept otherwise
+    for item in items:
+        if item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)
 
 
 def pytest_sessionfinish(session):

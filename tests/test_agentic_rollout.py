@@ -88,7 +88,7 @@ def test_episodes_masks_parity_and_dropout(trainer):
     sampled token of the multi-turn episodes (logp_mismatch_max <= 1e-5); each round decodes only the
     episodes still running."""
     parts = trainer.parts
-    sampler, rollout, n = parts["sampler"], parts["rollout"], SAMPLED.n
+    sampler, rollout, n = parts.batches.sampler, parts.batches, SAMPLED.n
     assert rollout.params == SAMPLED
     calls = []
     extend = sampler.extend
@@ -99,7 +99,7 @@ def test_episodes_masks_parity_and_dropout(trainer):
 
     sampler.extend = spy
     try:
-        batch = rollout(parts["state"])
+        batch = rollout(parts.state)
     finally:
         del sampler.extend
     eps = rollout.last_episodes
@@ -117,8 +117,8 @@ def test_episodes_masks_parity_and_dropout(trainer):
     for i, e in enumerate(eps):
         np.testing.assert_array_equal(w[i // n, i % n, :len(e.ids)], e.mask)
         assert not w[i // n, i % n, len(e.ids):].any()
-    loss = jax.jit(lambda st, b: trainer.loss_fn(merge(parts["graphdef"], st), b)[1]["logp_mismatch_max"])
-    gap = float(loss(parts["state"], {k: jnp.asarray(v) for k, v in batch.items()}))
+    loss = jax.jit(lambda st, b: trainer.loss_fn(merge(parts.graphdef, st), b)[1]["logp_mismatch_max"])
+    gap = float(loss(parts.state, {k: jnp.asarray(v) for k, v in batch.items()}))
     mask = batch["score_w"] != 0
     print(f"max |trainer - sampler| log-prob over {int(mask.sum())} sampled tokens of multi-turn episodes: {gap:.2e}")
     assert gap <= 1e-5
@@ -128,7 +128,7 @@ def test_stop_sequence_then_extend_continues_exactly(trainer):
     """Greedy: a row stops at a stop sequence (kept in its output); `extend` with nothing appended then
     samples exactly what the uninterrupted decode of the same prompt sampled: the cache was extended,
     never recomputed."""
-    sampler = trainer.parts["sampler"]
+    sampler = trainer.parts.batches.sampler
     ids = [list(p.ids) for p in trainer.prompts]  # the rollout's prompts: its prefill program
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0, n=3)
     never = [[10**6, 10**6]]  # the same [1, 2] stop-sequence shape as below: one compiled program
@@ -150,12 +150,12 @@ def test_episodes_are_reproducible_from_a_seed(trainer):
     parts = trainer.parts
 
     def rollout(seed):
-        return AgenticRollout(trainer.prompts, TOK, parts["sampler"], parts["graphdef"], make_env=EchoEnv,
+        return AgenticRollout(trainer.prompts, TOK, parts.batches.sampler, parts.graphdef, make_env=EchoEnv,
                               batch_size=4, n=SAMPLED.n, params=SAMPLED, length=trainer.length, max_tokens=WIDTH,
                               max_turns=3, seed=seed)
 
     a, b, c = rollout(7), rollout(7), rollout(8)
-    xa, xb, xc = a(parts["state"]), b(parts["state"]), c(parts["state"])
+    xa, xb, xc = a(parts.state), b(parts.state), c(parts.state)
     for k in xa:
         np.testing.assert_array_equal(xa[k], xb[k])
     assert not np.array_equal(xa["tokens"], xc["tokens"])

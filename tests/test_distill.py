@@ -121,7 +121,7 @@ def test_teacher_generated_data_is_sampled_once_and_cached(tmp_path, rows, monke
     def no_sampling(*a, **k):
         raise AssertionError("the cached teacher samples were not reused")
 
-    monkeypatch.setattr("posttrain.trainers.distill.teacher_samples", no_sampling)
+    monkeypatch.setattr("posttrain.rl.distill.teacher_samples", no_sampling)
     again = DistillTrainer(cfg, progress=False)
     again.train()
     assert all(np.array_equal(a.ids, b.ids) for a, b in zip(ex, again.train_examples))
@@ -204,7 +204,7 @@ def test_cli_distill_with_a_learned_projection_then_export(tmp_path, rows, capsy
     assert "held-out KL(teacher||student)" in capsys.readouterr().out
     assert cli.main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 0
     from posttrain.models import from_pretrained
-    from posttrain.trainers.sft import load_run
+    from posttrain.runs import load_run
 
     _, tok, model = load_run(str(tmp_path / "run"))
     ids = jnp.asarray([tok.encode("12+34=46")])
@@ -221,7 +221,8 @@ def test_distilling_a_trained_teacher_into_a_half_width_student(tmp_path, rows):
     steps three ways: logit only cuts held-out KL(teacher‖student) by >= 50 %, raises top-1 agreement
     and reaches a logit cosine >= 0.95; adding attention transfer or feature pooling lowers that
     loss too, without a held-out KL more than 5 % above logit-only's."""
-    from posttrain.trainers.sft import SFTTrainer, export_run
+    from posttrain.runs import export_run
+    from posttrain.trainers.sft import SFTTrainer
 
     sft = C.from_dict(C.SFTConfig, {
         "model": {"preset": "tiny-teacher"}, "data": {"train": rows[0], "max_length": 16},
@@ -240,7 +241,7 @@ def test_distilling_a_trained_teacher_into_a_half_width_student(tmp_path, rows):
         trainer = DistillTrainer(config(tmp_path / name, rows, **{**base, **over}), progress=False)
         if name == "logit":  # the three students start from the same weights
             parts = trainer.setup()
-            before = parts["evaluate"](parts["state"])
+            before = parts.evaluate(parts.state)
         t0 = time.perf_counter()
         after = trainer.train()
         logged = [m for m in map(json.loads, open(tmp_path / name / "run" / "metrics.jsonl")) if "grad_norm" in m]

@@ -77,7 +77,8 @@ def _run_doc(doc, scratch, capsys):
 
             from posttrain import config as C
             from posttrain.pipeline import Pipeline
-            from posttrain.trainers.sft import run_config_class
+            from posttrain.runs import config_recipe
+            from posttrain.trainers import recipe_class
 
             folder = scratch / "doc_yaml"  # the block beside links to configs/*.yaml (its `config:` files)
             if not folder.exists():
@@ -89,6 +90,6 @@ def _run_doc(doc, scratch, capsys):
             if "stages" in yaml.safe_load(code):
                 assert Pipeline.from_yaml(str(path), progress=False).stages  # every stage's config built
             else:
-                C.load(run_config_class(str(path)), str(path))
+                C.load(recipe_class(config_recipe(str(path))).config_class, str(path))
         else:
             pytest.fail(f"{where}: a ```{lang} block; the docs test runs bash, python and yaml blocks only")

@@ -124,9 +124,9 @@ def test_lora_reference_is_the_base_without_a_copy(tmp_path, parity_files):
     base = DPOTrainer(config(tmp_path, parity_files[0]), progress=False)
     lora = DPOTrainer(config(tmp_path, parity_files[0], **{"lora.enabled": True}), progress=False)
     parts = lora.setup()
-    assert parts["frozen"] is None
-    state, batch = parts["state"], _pair_batch(lora)
-    compiled = parts["raw_step"].lower(state, batch, None).compile()
+    assert parts.frozen is None
+    state, batch = parts.state, _pair_batch(lora)
+    compiled = parts.raw_step.lower(state, batch, None).compile()
     args = compiled.memory_analysis().argument_size_in_bytes
     # Train the adapters a little so the policy differs from the reference, then compare the reference.
     for i in range(3):
@@ -134,7 +134,7 @@ def test_lora_reference_is_the_base_without_a_copy(tmp_path, parity_files):
         if i == 0:
             assert abs(float(metrics["loss"]) - math.log(2)) < 1e-6
             assert abs(float(metrics["rewards/chosen"])) < 1e-6 and abs(float(metrics["rewards/margins"])) < 1e-6
-    policy = nnx.merge(parts["graphdef"], state.params, state.rest)
+    policy = nnx.merge(parts.graphdef, state.params, state.rest)
     ref = branch_logps(adapters_off(policy), batch, 2)[1]
     assert float(jnp.abs(branch_logps(policy, batch, 2)[1] - ref).max()) > 1e-3  # the adapters trained
     np.testing.assert_allclose(ref, branch_logps(base.model, batch, 2)[1], atol=1e-5)
@@ -177,7 +177,7 @@ def frozen_run(tmp_path_factory, parity_files):
     """4 steps with the frozen-copy reference: (trainer, logged metrics)."""
     tmp = tmp_path_factory.mktemp("frozen")
     trainer = DPOTrainer(config(tmp, parity_files[0]), progress=False)
-    assert trainer.setup()["frozen"] is not None
+    assert trainer.setup().frozen is not None
     trainer.train()
     return trainer, [json.loads(line) for line in open(tmp / "run" / "metrics.jsonl")]
 

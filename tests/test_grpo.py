@@ -50,8 +50,8 @@ def test_rollouts_are_on_policy_from_the_state_buffers_without_recompiling(tmp_p
 
     assert trainable_fraction(trainer.model) <= 0.05
     parts = trainer.setup()
-    assert parts["frozen"] is None  # beta > 0 with LoRA: the reference is the base with adapters off
-    state, rollout, sampler = parts["state"], parts["rollout"], parts["sampler"]
+    assert parts.frozen is None  # beta > 0 with LoRA: the reference is the base with adapters off
+    state, rollout, sampler = parts.state, parts.batches, parts.batches.sampler
     base_bytes = sum(x.nbytes for x in jax.tree.leaves(state.rest))
     for step in range(3):
         batch = rollout(state)
@@ -59,11 +59,11 @@ def test_rollouts_are_on_policy_from_the_state_buffers_without_recompiling(tmp_p
             used = {id(x) for x in jax.tree.leaves(sampler.state)}
             assert all(id(x) in used for x in jax.tree.leaves((state.params, state.rest)))  # no copy
             device_batch = {k: jnp.asarray(v) for k, v in batch.items()}
-            compiled = parts["raw_step"].lower(state, device_batch, None).compile()
+            compiled = parts.raw_step.lower(state, device_batch, None).compile()
             args = compiled.memory_analysis().argument_size_in_bytes
             small = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state, device_batch)))
             assert args <= base_bytes + small + 4096, (args, base_bytes)  # the base once
-            policy = merge(parts["graphdef"], state)
+            policy = merge(parts.graphdef, state)
             n, T = trainer.config.grpo.num_generations, trainer.config.grpo.max_new_tokens
             shared = np.asarray(branch_logps(policy, device_batch, n)[0])
             mask = batch["score_w"] != 0
@@ -119,8 +119,8 @@ def test_dynamic_sampling_replaces_groups_without_signal(tmp_path):
                               "grpo.dynamic_sampling": True, "grpo.max_refills": 4, "grpo.max_new_tokens": 6,
                               "train.steps": 2})
     parts = GRPOTrainer(cfg, progress=False).setup()
-    batch = parts["rollout"](parts["state"])
-    stats = parts["rollout"].metrics()
+    batch = parts.batches(parts.state)
+    stats = parts.batches.metrics()
     assert stats["dynamic_sampling/refills"] >= 1 and stats["dynamic_sampling/no_signal_groups"] == 0, stats
     adv = batch["advantages"]
     assert (np.abs(adv).sum(axis=1) > 0).all()  # every group in the batch carries a signal

@@ -17,9 +17,9 @@ from flax import nnx
 
 from posttrain import config as C
 from posttrain.errors import PosttrainError
-from posttrain.losses.ppo import critic_values
 from posttrain.models import Transformer, preset, save_pretrained
 from posttrain.models.heads import ScoreParam, attach_score_head
+from posttrain.rl.critic import critic_values
 from posttrain.tokenizer import byte_tokenizer
 from posttrain.train.step import merge
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
@@ -49,8 +49,8 @@ def test_first_update_is_on_policy_and_mini_batches_partition_the_rollout(tmp_pa
     both models and the KL controller move."""
     trainer = PPOTrainer(config(tmp_path), progress=False)
     parts = trainer.setup()
-    state, rollout, sampler = parts["state"], parts["rollout"], parts["sampler"]
-    assert (parts["frozen"] is None) == trainer.config.lora.enabled
+    state, rollout, sampler = parts.state, parts.batches, parts.batches.sampler
+    assert (parts.frozen is None) == trainer.config.lora.enabled
     assert rollout.mu == 4 and rollout.per_epoch == 2
     seen, first = [], None
     start = jax.tree.map(np.asarray, state.params)
@@ -60,13 +60,13 @@ def test_first_update_is_on_policy_and_mini_batches_partition_the_rollout(tmp_pa
             full = rollout.cached
             stats = rollout.metrics()
             assert abs(stats["kl"]) <= 1e-6 and stats["kl_coef"] == 0.05, stats
-            values = critic_values(merge(parts["graphdef"], state), {f: jnp.asarray(v) for f, v in full.items()})
+            values = critic_values(merge(parts.graphdef, state), {f: jnp.asarray(v) for f, v in full.items()})
             mask = full["score_w"] != 0
             np.testing.assert_allclose(np.asarray(values)[mask], full["old_values"][mask], atol=1e-5)
             assert not full["old_values"][~mask].any() and abs(full["advantages"][mask].mean()) < 1e-5
         if k < 4:
             seen.append(batch["tokens"])
-        state, metrics = parts["step"](state, {f: jnp.asarray(v) for f, v in batch.items()})
+        state, metrics = parts.step(state, {f: jnp.asarray(v) for f, v in batch.items()})
         if k == 0:
             first = metrics
     assert float(first["logp_mismatch_max"]) <= 1e-5 and float(first["clip_region_mean"]) == 0

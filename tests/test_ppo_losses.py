@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posttrain.losses import gae, make_ppo_loss, masked_whiten, policy_loss, token_rewards, value_loss
-from posttrain.rl.ppo import AdaptiveKL
+from posttrain.losses import gae, masked_whiten, policy_loss, token_rewards, value_loss
+from posttrain.rl.ppo import AdaptiveKL, make_ppo_loss
 
 pytestmark = pytest.mark.usefixtures("x64")
 
@@ -167,10 +167,9 @@ def test_ppo_loss_on_policy():
     """Old log-probs and values from the model itself: ratio 1, no clipping, policy loss = −mean A, value
     loss = the plain squared error; the entropy bonus carries a gradient."""
     from posttrain.data.branches import group_row
-    from posttrain.losses.ppo import critic_values
     from posttrain.models import Transformer, preset
     from posttrain.models.heads import attach_score_head
-    from posttrain.trainers.ppo import PolicyCritic
+    from posttrain.rl.critic import PolicyCritic, critic_values
 
     with jax.enable_x64(False):
         policy = Transformer(preset("tiny-student", vocab_size=263), rngs=nnx.Rngs(0))

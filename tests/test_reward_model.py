@@ -32,15 +32,22 @@ from pref_data import make_rows, write_jsonl
 from posttrain import config as C
 from posttrain.data.preference import load_pairs, pair_arrays, pair_shapes, tokenize_pair
 from posttrain.errors import PosttrainError
-from posttrain.losses.reward import make_reward_loss, pair_scores
 from posttrain.models import from_pretrained, save_pretrained
 from posttrain.models.heads import ScoreParam, attach_score_head, last_token_scores, score_index
 from posttrain.models.lora import LoraParam
 from posttrain.rewards import RewardModel, tokenize_completion
+from posttrain.runs import export_run
 from posttrain.tokenizer import byte_tokenizer
 from posttrain.train.lifecycle import WEIGHTS
 from posttrain.train.serialize import save_state
-from posttrain.trainers.reward_model import RMConfig, RMTrainer, build_reward_model, export_rm_run, trainable_filter
+from posttrain.trainers.reward_model import (
+    RMConfig,
+    RMTrainer,
+    build_reward_model,
+    make_reward_loss,
+    pair_scores,
+    trainable_filter,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, EVAL_EVERY = 20, 10
@@ -79,7 +86,7 @@ def run(tmp_path_factory):
     c0, r0 = scores(trainer.model, arrays)
     result = trainer.train()
     c1, r1 = scores(trainer.model, arrays)
-    export = export_rm_run(str(tmp / "run"), str(tmp / "export"))
+    export = export_run(str(tmp / "run"), str(tmp / "export"))
     curve = [(0, float(np.mean(c0 > r0)))] + [
         (m["step"], m["eval_accuracy"]) for m in map(json.loads, open(tmp / "run" / "metrics.jsonl"))
         if "eval_accuracy" in m]
@@ -125,7 +132,7 @@ def test_learns_the_hidden_rule(run):
 
 
 def test_lora_trains_adapters_and_head_and_export_merges(run):
-    """Under LoRA the trainable state is the adapters and the score head; export_rm_run of such a
+    """Under LoRA the trainable state is the adapters and the score head; export_run of such a
     run merges the adapters, and transformers scores the export as posttrain scores the unmerged model."""
     cfg = _config(run.tmp, lora={"enabled": True, "rank": 4}, run_name="lora_run")
     model = build_reward_model(cfg, run.tok)
@@ -138,7 +145,7 @@ def test_lora_trains_adapters_and_head_and_export_merges(run):
     nnx.update(model, jax.tree.map(lambda x: (0.1 * rng.standard_normal(x.shape)).astype(np.float32), params))
     C.save(cfg, Path(cfg.run_dir) / "config.yaml")
     save_state(nnx.state(model, trainable_filter(cfg)), str(Path(cfg.run_dir) / WEIGHTS))
-    out = export_rm_run(cfg.run_dir, str(run.tmp / "lora_export"))
+    out = export_run(cfg.run_dir, str(run.tmp / "lora_export"))
     pairs = run.trainer.eval_pairs[:8]
     ours_c, ours_r = _jit_scores(model, run.tok.pad_id)(model, {k: v[:8] for k, v in run.arrays.items()})
     hf = _load_hf_classifier(out)

@@ -12,6 +12,7 @@ from flax import nnx
 
 from posttrain import config as C
 from posttrain.data import batches, load_examples
+from posttrain.evals import accuracy
 from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses import sft_loss
 from posttrain.models import Transformer, preset, save_pretrained
@@ -20,7 +21,6 @@ from posttrain.tokenizer import byte_tokenizer
 from posttrain.train import init_state, make_optimizer, make_train_step, merge, schedule
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
-from posttrain.trainers.sft import accuracy
 
 
 def sft_to_partial_accuracy(out_dir, low: float = 0.3) -> str:

@@ -254,7 +254,7 @@ def test_export_of_tiny_run_loads(tiny_run, tmp_path, capsys):
     from flax import nnx
 
     from posttrain.models import from_pretrained
-    from posttrain.trainers.sft import load_run
+    from posttrain.runs import load_run
 
     out = tmp_path / "hf"
     rc = main(["export", "--run", str(tiny_run), "--out", str(out)])

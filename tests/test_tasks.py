@@ -153,7 +153,8 @@ def test_countdown_reward_rejects_unsafe_input(tmp_path):
 
 
 def test_countdown_is_a_named_grpo_reward():
-    from posttrain.trainers.grpo import GRPOSection, reward_functions
+    from posttrain.rewards.registry import reward_functions
+    from posttrain.trainers.grpo import GRPOSection
 
     funcs, weights = reward_functions(GRPOSection(rewards={"countdown": 1.0, "last_number": 0.5}), None)
     assert funcs[0] is R.countdown and weights == [1.0, 0.5]

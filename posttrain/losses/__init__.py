@@ -27,7 +27,7 @@ from posttrain.losses.distill import (
     pool_features,
 )
 from posttrain.losses.policy import POLICY_LOSS_TYPES, policy_loss, token_kl
-from posttrain.losses.ppo import gae, make_ppo_loss, masked_whiten, token_rewards, value_loss
+from posttrain.losses.ppo import gae, masked_whiten, token_rewards, value_loss
 from posttrain.losses.preference import (
     DPO_LOSS_TYPES,
     bco_update_running_mean,
@@ -61,7 +61,6 @@ __all__ = [
     "masked_whiten",
     "value_loss",
     "token_rewards",
-    "make_ppo_loss",
     # distillation
     "DistillationLoss",
     "attention_transfer_loss",

@@ -20,23 +20,20 @@ import jax.numpy as jnp
 
 from posttrain.losses.logps import branch_logps
 from posttrain.losses.preference import dpo_loss
-from posttrain.models.lora import adapters_off
 
 
 def make_dpo_loss(*, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
                   reference: str | None = "frozen"):
-    """`reference`: where the reference log-probs come from when the batch has no "ref_logps":
-    "frozen" (a forward of the `frozen` model) or "adapters_off" (the policy with its LoRA
-    adapters zeroed: the base weights, no copy)."""
-    if reference not in (None, "frozen", "adapters_off"):
-        raise ValueError(f"reference={reference!r}: use 'frozen', 'adapters_off' or None (precomputed)")
+    """`reference`: "frozen" (the reference log-probs are a forward of the `frozen` model when the
+    batch has no "ref_logps"; a LoRA recipe passes the policy with its adapters off, see
+    `train.recipe.lora_reference`) or None (precomputed: always batch["ref_logps"])."""
+    if reference not in (None, "frozen"):
+        raise ValueError(f"reference={reference!r}: use 'frozen' or None (precomputed)")
 
     def loss_fn(policy, batch, *, frozen=None, rng=None):
         _, logps, counts = branch_logps(policy, batch, 2)
         if "ref_logps" in batch:
             ref = batch["ref_logps"]
-        elif reference == "adapters_off":
-            ref = jax.lax.stop_gradient(branch_logps(adapters_off(policy), batch, 2)[1])
         elif frozen is not None:
             ref = jax.lax.stop_gradient(branch_logps(frozen, batch, 2)[1])
         else:

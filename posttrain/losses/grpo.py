@@ -9,8 +9,9 @@ log-probs [B, n·T] reshape to the sampler's [B·n, T] layout and go to `policy_
   old_logps   batch["old_logps"]  [B, n·T]  the sampler's log-probs (the "old" policy; no forward)
   advantages  batch["advantages"] [B, n]
   mask        batch["score_w"]    [B, n·T]  1 on sampled tokens (up to and including a stop token)
-and, when beta > 0, reference log-probs from the policy with its LoRA adapters off (no copy) or
-from the `frozen` copy. Metrics: loss, policy_loss's (kl, clip_region_mean, ...), entropy (masked
+and, when beta > 0, reference log-probs from `frozen`, the reference model (a frozen copy, or the
+policy with its LoRA adapters off: `train.recipe.lora_reference`). Metrics: loss, policy_loss's
+(kl, clip_region_mean, ...), entropy (masked
 token mean) and logp_mismatch_max = max |trainer − sampler| log-prob over the batch's tokens
 (exactly on-policy at the first of μ iterations: ~1e-6 in float32).
 
@@ -24,12 +25,11 @@ import jax.numpy as jnp
 
 from posttrain.losses.logps import branch_logps
 from posttrain.losses.policy import policy_loss
-from posttrain.models.lora import adapters_off
 
 
 def make_grpo_loss(*, num_generations: int, max_new_tokens: int, temperature: float = 1.0, loss_type: str = "dapo",
                    epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
-                   importance_sampling_level: str = "token", delta=None, reference: str = "frozen"):
+                   importance_sampling_level: str = "token", delta=None):
     n, T = num_generations, max_new_tokens
 
     def loss_fn(policy, batch, *, frozen=None, rng=None):
@@ -40,8 +40,7 @@ def make_grpo_loss(*, num_generations: int, max_new_tokens: int, temperature: fl
         old = batch["old_logps"].reshape(N, T)
         ref = None
         if beta:
-            ref_model = adapters_off(policy) if reference == "adapters_off" else frozen
-            ref = jax.lax.stop_gradient(branch_logps(ref_model, batch, n, temperature=temperature)[0].reshape(N, T))
+            ref = jax.lax.stop_gradient(branch_logps(frozen, batch, n, temperature=temperature)[0].reshape(N, T))
         loss, metrics = policy_loss(new, old, batch["advantages"].reshape(N), mask, loss_type=loss_type,
                                     epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, ref_logps=ref,
                                     importance_sampling_level=importance_sampling_level, max_completion_length=T,

@@ -1,4 +1,4 @@
-"""PPO with a critic: GAE, advantage whitening, the clipped value loss and the PPO trainer's loss_fn.
+"""PPO with a critic: GAE, advantage whitening, the clipped value loss, KL-shaped rewards.
 
 What it is: pure `jnp` functions over per-token [N, T] arrays (N completions, T completion
 positions; `mask` is 1 on the tokens that count, 0 on padding):
@@ -22,12 +22,8 @@ The clipped policy loss is `losses.policy.policy_loss` (token-mean "bnpo" aggreg
 advantages); dual-clip (Ye et al. 2020, arXiv 1912.09729: for A < 0 the loss is capped at
 −c·A) is its `delta = c` cap, which equals verl's `clip_ratio_c` rule whenever c > 1 + ε_high.
 
-`make_ppo_loss(...)` returns the trainer's `loss_fn(model, batch, *, frozen, rng)` (the
-`posttrain.losses` convention with denom = 1: the loss already normalises over the mini-batch).
-`model` has `.policy` (a Transformer) and `.critic` (a Transformer with a `score` head), or
-critic None and the head on the policy (shared backbone). Total:
-    policy_loss + vf_coef · value_loss − entropy_coef · entropy
-with the entropy (masked token mean, under softmax(logits / temperature)) carrying its gradient.
+The PPO trainer's loss_fn over the policy and its critic (`make_ppo_loss`) runs the model and
+lives with the recipe's rollout in `rl/ppo.py`.
 
 What it is not: the rollout (`posttrain/rl/ppo.py`), the KL controllers, or the trainer.
 """
@@ -39,9 +35,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from posttrain.losses.logps import token_logps
-from posttrain.losses.policy import policy_loss, token_kl
-from posttrain.models.heads import last_token_scores
+from posttrain.losses.policy import token_kl
 
 
 def gae(rewards, values, mask, *, gamma: float = 1.0, lam: float = 0.95):
@@ -109,56 +103,3 @@ def token_rewards(scores, kl, mask, kl_coef):
 def reference_kl(logps, ref_logps, estimator: str = "k1"):
     """Per-token KL(π ‖ π_ref) estimate from the sampled tokens (`policy.token_kl`: k1 = logp − ref)."""
     return token_kl(logps, ref_logps, estimator)
-
-
-def scored_hidden(model, batch):
-    """Final hidden states [B, M, D] at each scored entry's source slot of a prefix-shared row batch."""
-    out = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
-                branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False)
-    return out, jnp.take_along_axis(out.hidden[-1], batch["score_src"][..., None], axis=1)
-
-
-def critic_values(model, batch, hidden=None):
-    """V(s_t) [B, M] for every scored token: the value head on the state that predicts the token
-    (verl / TRL: values[:, t] read at the slot before completion token t)."""
-    critic = model.policy if model.critic is None else model.critic
-    if hidden is None or model.critic is not None:
-        out = critic(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
-                     branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False)
-        hidden = out.hidden[-1]
-    return last_token_scores(critic, hidden, batch["score_src"])[..., 0]
-
-
-def make_ppo_loss(*, num_generations: int, max_new_tokens: int, temperature: float = 1.0,
-                  epsilon_low: float = 0.2, epsilon_high: float = 0.2, dual_clip: Optional[float] = None,
-                  value_clip: Optional[float] = 0.2, vf_coef: float = 0.1, entropy_coef: float = 0.0):
-    """The PPO trainer's loss_fn over group rows with `old_logps`, `old_values`, `advantages`, `returns`
-    (all [B, n·T]) besides the row and score fields; see the module docstring."""
-    n, T = num_generations, max_new_tokens
-
-    def loss_fn(model, batch, *, frozen=None, rng=None):
-        policy = model.policy
-        out = policy(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
-                     branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False)
-        h = jnp.take_along_axis(out.hidden[-1], batch["score_src"][..., None], axis=1)  # [B, M, D]
-        new, ent = token_logps(policy, h, batch["score_tgt"], temperature=temperature, with_entropy=True)
-        values = critic_values(model, batch, out.hidden[-1])
-        N = new.shape[0] * n
-        mask = (batch["score_w"] != 0).reshape(N, T).astype(jnp.float32)
-        new = jnp.where(mask != 0, new.reshape(N, T), 0.0)
-        old = batch["old_logps"].reshape(N, T)
-        pg, metrics = policy_loss(new, old, batch["advantages"].reshape(N, T), mask, loss_type="bnpo",
-                                  epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=dual_clip)
-        vl, vmetrics = value_loss(values.reshape(N, T), batch["old_values"].reshape(N, T),
-                                  batch["returns"].reshape(N, T), mask, clip=value_clip)
-        tokens = jnp.maximum(mask.sum(), 1.0)
-        entropy = jnp.sum(ent.reshape(N, T) * mask) / tokens
-        loss = pg + vf_coef * vl - entropy_coef * entropy
-        diff = (jax.lax.stop_gradient(new) - old) * mask
-        metrics = {**metrics, **vmetrics, "loss": loss, "denom": jnp.float32(1.0), "policy_loss": pg,
-                   "value_loss": vl, "entropy": jax.lax.stop_gradient(entropy),
-                   "approx_kl": 0.5 * jnp.sum(diff * diff) / tokens,  # to the sampling policy (TRL's)
-                   "logp_mismatch_max": jnp.max(jnp.abs(diff))}
-        return loss, metrics
-
-    return loss_fn

@@ -1,4 +1,4 @@
-"""The reward-model loss over prefix-shared pair rows: `make_reward_loss(...) -> loss_fn`.
+"""The reward-model loss per pair: `per_pair_loss(chosen, rejected, margin, center_coefficient)`.
 
 Variant (TRL 1.16 `RewardTrainer.compute_loss`, as `losses.preference.reward_loss`): with r_c, r_r
 the scalar scores of the chosen and rejected sequences and m the row's "margin" column,
@@ -6,8 +6,9 @@ the scalar scores of the chosen and rejected sequences and m the row's "margin" 
 (Bradley–Terry / InstructGPT eq. 1; Llama 2's margin; reward centering, Eisenstein et al. 2023,
 arXiv 2312.09244 eq. 2). The centering term is TRL's coefficient times the batch mean of
 (r_c + r_r)², which is the mean of per-pair terms, so the per-pair form above sums exactly:
-`loss_fn` returns the SUM over the batch's real pairs and `denom` = their count (the loss
-convention, `losses/__init__.py`), and micro-batching gives the full-batch value.
+the recipe's `loss_fn` (`trainers/reward_model.make_reward_loss`, which runs the model) returns
+the SUM over the batch's real pairs and `denom` = their count (the loss convention,
+`losses/__init__.py`), and micro-batching gives the full-batch value.
 
 Scores: one forward over each row [prompt | chosen | rejected] (branch 1 = chosen, 2 = rejected,
 `data/branches.py`); the attention rule makes the final hidden state at each branch's slots
@@ -25,19 +26,6 @@ from __future__ import annotations
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
-
-from posttrain.models.heads import last_token_scores, score_index
-
-
-def pair_scores(model, batch: dict, *, pad_id: Optional[int]):
-    """(chosen [B], rejected [B]) float32 scores of a batch of prefix-shared pair rows."""
-    tokens, seg, br = batch["tokens"], batch["segment_ids"], batch["branch_ids"]
-    out = model(tokens, batch["positions"], segment_ids=seg, branch_ids=br, return_hidden=True,
-                return_logits=False)
-    index = jnp.stack([score_index(tokens, seg, br, b, pad_id) for b in (1, 2)], axis=1)  # [B, 2]
-    s = last_token_scores(model, out.hidden[-1], index)[..., 0]  # [B, 2]
-    return s[:, 0], s[:, 1]
 
 
 def per_pair_loss(chosen, rejected, margin=None, center_coefficient: Optional[float] = None):
@@ -49,25 +37,3 @@ def per_pair_loss(chosen, rejected, margin=None, center_coefficient: Optional[fl
     if center_coefficient is not None:
         loss = loss + center_coefficient * (chosen + rejected) ** 2
     return loss
-
-
-def make_reward_loss(*, pad_id: Optional[int], use_margin: bool = True, center_coefficient: Optional[float] = None):
-    """`loss_fn(policy, batch, *, frozen=None, rng=None) -> (sum over pairs, metric sums)` of a reward model.
-
-    `pad_id`: the token id the exported config calls pad_token_id (the tokenizer's pad id), so
-    the scored slot is the one transformers scores; `use_margin`: subtract the row's "margin"."""
-
-    def loss_fn(policy, batch, *, frozen=None, rng=None):
-        del frozen, rng
-        chosen, rejected = pair_scores(policy, batch, pad_id=pad_id)
-        real = jnp.any(batch["branch_ids"] == 2, axis=-1).astype(jnp.float32)  # padding rows have no answer
-        margin = batch["margin"].astype(jnp.float32) if use_margin and "margin" in batch else None
-        total = jnp.sum(real * per_pair_loss(chosen, rejected, margin, center_coefficient))
-        sg = jax.lax.stop_gradient
-        c, r = sg(chosen), sg(rejected)
-        metrics = {"loss": sg(total), "denom": jnp.sum(real),
-                   "accuracy": jnp.sum(real * (c > r).astype(jnp.float32)), "margin": jnp.sum(real * (c - r)),
-                   "rewards/chosen": jnp.sum(real * c), "rewards/rejected": jnp.sum(real * r)}
-        return total, metrics
-
-    return loss_fn

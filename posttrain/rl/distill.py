@@ -14,17 +14,25 @@ What it is:
     the next offline batch is used. Its position (offline iterator, prompt stream, steps served) is
     checkpointed, so a killed run resumes to the same weights.
 
+  - `cached_teacher_samples(...)`: teacher_samples cached in the run folder (distill.mode =
+    teacher_generated), and `attach_projection` (distill.projection's learned matrix on the student).
+
 What it is not: the loss (`losses/distill_step.py`) or the trainer (`trainers/distill.py`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from collections import defaultdict
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from posttrain.data.pipeline import Example, to_arrays
 from posttrain.generate import Sampler, SamplingParams
@@ -55,6 +63,35 @@ def teacher_samples(teacher, tok, prompts, *, max_new_tokens: int, temperature: 
         part += [part[0]] * (chunk - n)  # one compiled batch shape
         done = _sample(sampler, part, params, jax.random.fold_in(jax.random.key(seed), i))[:n]
         out += [_example(p.ids, c, p.where) for p, c in zip(prompts[i:i + n], done)]
+    return out
+
+
+def cached_teacher_samples(path: str, key_parts, teacher, tok, prompts, *, max_new_tokens: int,
+                           temperature: float, seed: int, reuse: bool) -> list[Example]:
+    """`teacher_samples` of `prompts`, read from `path` (an .npz) when it holds them for the same key
+    (`key_parts`: what defines the teacher and the sampling, and the prompts' ids) and `reuse` is set;
+    else sampled and written atomically, with a readable copy `teacher_data.jsonl` beside it."""
+    digest = hashlib.sha256(repr(key_parts).encode())
+    for p in prompts:
+        digest.update(np.int64(len(p.ids)).tobytes() + p.ids.tobytes())
+    key = digest.hexdigest()
+    if reuse and os.path.isfile(path):
+        with np.load(path, allow_pickle=False) as f:
+            if str(f["key"]) == key:
+                ends = np.cumsum(f["lengths"])
+                return [Example(ids, mask, p.where) for ids, mask, p in
+                        zip(np.split(f["ids"], ends[:-1]), np.split(f["mask"], ends[:-1]), prompts)]
+    out = teacher_samples(teacher, tok, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, key=key, ids=np.concatenate([e.ids for e in out]),
+             mask=np.concatenate([e.loss_mask for e in out]), lengths=np.asarray([len(e.ids) for e in out]))
+    readable = os.path.join(os.path.dirname(path), "teacher_data.jsonl")
+    with open(readable + ".tmp", "w") as fh:  # for people to read
+        for p, e in zip(prompts, out):
+            fh.write(json.dumps({"prompt": p.prompt, "completion": tok.decode(
+                e.ids[len(p.ids):], skip_special_tokens=False)}) + "\n")
+    os.replace(readable + ".tmp", readable)
+    os.replace(tmp, path)
     return out
 
 
@@ -110,3 +147,13 @@ class OnPolicyBatches:
         out = {k: float(np.mean(v)) for k, v in self._stats.items() if v}
         self._stats.clear()
         return out
+
+
+class ProjectionParam(nnx.Param):
+    """distill.projection's [teacher width, student width] matrix; trained with the student (also under LoRA)."""
+
+
+def attach_projection(model, teacher_width: int, seed: int = 0):
+    w = 0.02 * jax.random.normal(jax.random.key(seed), (teacher_width, model.cfg.embed_dim), jnp.float32)
+    model.distill_projection = ProjectionParam(w, out_sharding=(None, "embed"), eager_sharding=False)
+    return model

@@ -17,7 +17,15 @@ The rollout in use and the KL coefficient are saved in the checkpoint (`get_stat
 run resumes exactly. `metrics()` adds reward/score, kl, kl_coef, returns/mean, values/mean,
 explained_variance (of the old values for the returns, over the tokens) and time/prepare_s.
 
-What it is not: the loss (`losses/ppo.py`) or the trainer (`trainers/ppo.py`).
+Also here, the PPO recipe's loss over the model (the critic is `rl/critic.py`): `make_ppo_loss(...)`,
+the trainer's `loss_fn(model, batch, *, frozen, rng)` (the `posttrain.losses` convention with
+denom = 1: the loss already normalises over the mini-batch). `model` has `.policy` (a
+Transformer) and `.critic` (a Transformer with a `score` head), or critic None and the head on
+the policy (shared backbone). Total:
+    policy_loss + vf_coef · value_loss − entropy_coef · entropy
+with the entropy (masked token mean, under softmax(logits / temperature)) carrying its gradient.
+
+What it is not: the array functions of the loss (`losses/ppo.py`) or the trainer (`trainers/ppo.py`).
 """
 
 from __future__ import annotations
@@ -29,7 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posttrain.losses.ppo import gae, masked_whiten, reference_kl, token_rewards
+from posttrain.losses.logps import token_logps
+from posttrain.losses.policy import policy_loss
+from posttrain.losses.ppo import gae, masked_whiten, reference_kl, token_rewards, value_loss
+from posttrain.rl.critic import critic_values
 from posttrain.rl.rollout import GroupRollout
 from posttrain.train.step import merge
 
@@ -133,3 +144,38 @@ def explained_variance(values, returns, mask) -> float:
     ret, v = returns[m].astype(np.float64), values[m].astype(np.float64)
     var = ret.var()
     return float(1.0 - (ret - v).var() / var) if var > 0 else float("nan")
+
+
+def make_ppo_loss(*, num_generations: int, max_new_tokens: int, temperature: float = 1.0,
+                  epsilon_low: float = 0.2, epsilon_high: float = 0.2, dual_clip: Optional[float] = None,
+                  value_clip: Optional[float] = 0.2, vf_coef: float = 0.1, entropy_coef: float = 0.0):
+    """The PPO trainer's loss_fn over group rows with `old_logps`, `old_values`, `advantages`, `returns`
+    (all [B, n·T]) besides the row and score fields; see the module docstring."""
+    n, T = num_generations, max_new_tokens
+
+    def loss_fn(model, batch, *, frozen=None, rng=None):
+        policy = model.policy
+        out = policy(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
+                     branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False)
+        h = jnp.take_along_axis(out.hidden[-1], batch["score_src"][..., None], axis=1)  # [B, M, D]
+        new, ent = token_logps(policy, h, batch["score_tgt"], temperature=temperature, with_entropy=True)
+        values = critic_values(model, batch, out.hidden[-1])
+        N = new.shape[0] * n
+        mask = (batch["score_w"] != 0).reshape(N, T).astype(jnp.float32)
+        new = jnp.where(mask != 0, new.reshape(N, T), 0.0)
+        old = batch["old_logps"].reshape(N, T)
+        pg, metrics = policy_loss(new, old, batch["advantages"].reshape(N, T), mask, loss_type="bnpo",
+                                  epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=dual_clip)
+        vl, vmetrics = value_loss(values.reshape(N, T), batch["old_values"].reshape(N, T),
+                                  batch["returns"].reshape(N, T), mask, clip=value_clip)
+        tokens = jnp.maximum(mask.sum(), 1.0)
+        entropy = jnp.sum(ent.reshape(N, T) * mask) / tokens
+        loss = pg + vf_coef * vl - entropy_coef * entropy
+        diff = (jax.lax.stop_gradient(new) - old) * mask
+        metrics = {**metrics, **vmetrics, "loss": loss, "denom": jnp.float32(1.0), "policy_loss": pg,
+                   "value_loss": vl, "entropy": jax.lax.stop_gradient(entropy),
+                   "approx_kl": 0.5 * jnp.sum(diff * diff) / tokens,  # to the sampling policy (TRL's)
+                   "logp_mismatch_max": jnp.max(jnp.abs(diff))}
+        return loss, metrics
+
+    return loss_fn

@@ -161,8 +161,8 @@ def run(out_dir: str = "runs/demo", progress: bool = True, quick: bool = False) 
     """Run the four stages into `out_dir` (each stage's folder starts fresh); returns the summary."""
     from posttrain.models import from_pretrained
     from posttrain.report import write_report
+    from posttrain.runs import export_run
     from posttrain.tokenizer import byte_tokenizer
-    from posttrain.trainers.sft import export_run
 
     t_start, s, out = time.perf_counter(), QUICK if quick else FULL, out_dir
     train, evals = addition.make_pairs(digits=2, seed=0, n_eval=200)

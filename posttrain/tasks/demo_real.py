@@ -118,10 +118,10 @@ def run(out_dir: str = "runs/demo-real", quick: bool = False, progress: bool = T
     `base`: another chat model's HF folder instead of the converted SmolLM2 (the test's tiny one)."""
     from posttrain.models.gguf import convert
     from posttrain.report import write_report
+    from posttrain.runs import export_run, export_run_gguf
     from posttrain.tasks.real_model import fetch
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
-    from posttrain.trainers.sft import export_run, export_run_gguf
 
     t_start, out = time.perf_counter(), out_dir
     train, held = write_data(out, QUICK["n_eval"] if quick else 200)

@@ -15,12 +15,7 @@ anything is written), `training_state` (the model's train state and optimizer un
 `place_batch` (a host batch on the devices) and `make_eval` (the denom-weighted metrics over a
 fixed eval set).
 
-A trainer recipe is then its config (with the shared run_dir / train / checkpoint / metrics /
-profile / sharding sections), its data -> batches and its loss:
-
-    graphdef, state = init_state(model, optimizer, trainable=...)
-    step = make_train_step(my_loss, optimizer, graphdef, ...)
-    state, result = run_trainer(config, state, step, batches, name="dpo", flops_per_token=...)
+The recipes (`posttrain.trainers`) reach it through the one driver, `train.recipe.Recipe.train`.
 
 `batches` is where each step's host batch comes from, with a checkpointable position
 (`get_state()` -> a JSON-able dict, `set_state(dict)`) so a resumed run continues exactly:
@@ -28,11 +23,11 @@ profile / sharding sections), its data -> batches and its loss:
   - a callable `batches(state) -> batch`, called before every step with the current TrainState
     (RL: sample rollouts with the current weights, score them, return the rows to train on);
     its get_state / set_state save and restore the prompt stream's position.
-A frozen model (DPO reference, distillation teacher) is bound into the step:
-`step=lambda s, b: raw_step(s, b, frozen)`.
+A frozen model (DPO reference, distillation teacher) is bound into the step
+(`train.recipe.Setup.step`).
 
 What it is not: the loop (`train.loop`), the checkpoint format (`train.checkpoint`), or a recipe
-(`posttrain.trainers`).
+(`posttrain.trainers`, `train.recipe`).
 """
 
 from __future__ import annotations
@@ -88,7 +83,7 @@ def _run(config, state, step, batches, *, name, flops_per_token, evaluate, mesh,
     c = config
     t0 = time.perf_counter()
     main = sh.is_main_process()
-    prepare_run_dir(c)
+    prepare_run_dir(c, recipe=name)
     ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), keep=c.checkpoint.keep,
                         async_save=c.checkpoint.async_save)
     start = 0
@@ -347,8 +342,12 @@ def release_run_dir(run_dir: str) -> None:
         lock.release()
 
 
-def prepare_run_dir(c) -> None:
-    """Fresh start, or check that the folder holds this same run (to resume it).
+RUN_FILE = "run.json"  # {"recipe": name}: which trainer wrote the folder (posttrain.runs reads it)
+
+
+def prepare_run_dir(c, recipe: str) -> None:
+    """Fresh start, or check that the folder holds this same run (to resume it); writes config.yaml
+    and `run.json` (the recipe's name).
 
     Every process checks (so all raise alike); process 0 alone writes, the others wait for it.
     Process 0 takes the folder's `RunLock` after the check and before its first write, and keeps it
@@ -386,6 +385,10 @@ def prepare_run_dir(c) -> None:
                     os.remove(path)
         os.makedirs(c.run_dir, exist_ok=True)
         C.save(c, saved)
+        tmp = os.path.join(c.run_dir, RUN_FILE + ".tmp")
+        with open(tmp, "w") as fh:
+            json.dump({"recipe": recipe}, fh)
+        os.replace(tmp, os.path.join(c.run_dir, RUN_FILE))
     if multi:
         multihost_utils.sync_global_devices("posttrain:run_dir ready")
 

@@ -16,7 +16,7 @@ Data modes (`distill.mode`):
                      for the next prompts (from the train state's weights), else the offline batch.
 Evaluation on `data.eval`: eval_teacher_kl (KL(teacher‖student) at τ = 1), eval_top1_agreement,
 eval_logit_cosine, eval_hidden_cosine (see losses/distill_step.py). Run folder, resume, sinks and
-the mesh are `run_trainer`'s; `posttrain export --run` writes the student as a HF folder.
+the mesh are the shared driver's (`train.recipe`); `posttrain export --run` writes the student as a HF folder.
 
 What it is not: multi-teacher distillation, or distillation across tokenizers.
 """
@@ -24,33 +24,26 @@ What it is not: multi-teacher distillation, or distillation across tokenizers.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
 from typing import Literal, Optional
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from posttrain import config as C
 from posttrain.data import batches, load_examples, to_arrays
-from posttrain.data.pipeline import Example
 from posttrain.data.prompts import load_prompts
 from posttrain.errors import PosttrainError
 from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.distill import LOGIT_KINDS, check_layer_map, check_pool_size
 from posttrain.losses.distill_step import make_distill_loss
-from posttrain.models import count_params
-from posttrain.models.lora import LoraParam, trainable_fraction
-from posttrain.rl.distill import OnPolicyBatches, teacher_samples
+from posttrain.models import count_params, load_config
+from posttrain.models.lora import LoraParam
+from posttrain.rl.distill import OnPolicyBatches, ProjectionParam, attach_projection, cached_teacher_samples
 from posttrain.tokenizer import check_same_tokenizer
-from posttrain.train import make_train_step, merge
-from posttrain.train.lifecycle import check_processes, make_eval, prepare_run_dir, run_trainer, training_state
+from posttrain.train.build import build_model, build_tokenizer, preset_config, weights_stamp
 from posttrain.train.metrics import model_flops_per_token
-from posttrain.trainers.dpo import _weights_stamp
-from posttrain.trainers.sft import build_mesh, build_model, build_tokenizer
+from posttrain.train.recipe import Parts, Recipe
 
 SAMPLES_FILE = "teacher_samples.npz"
 
@@ -109,34 +102,22 @@ class DistillConfig:
     run_dir: str = "runs/distill"  # folder for checkpoints, logs, the config and teacher samples
 
 
-class ProjectionParam(nnx.Param):
-    """distill.projection's [teacher width, student width] matrix; trained with the student (also under LoRA)."""
+class DistillTrainer(Recipe):
+    name = "distill"
+    config_class = DistillConfig
 
-
-def attach_projection(model, teacher_width: int, seed: int = 0):
-    w = 0.02 * jax.random.normal(jax.random.key(seed), (teacher_width, model.cfg.embed_dim), jnp.float32)
-    model.distill_projection = ProjectionParam(w, out_sharding=(None, "embed"), eager_sharding=False)
-    return model
-
-
-class DistillTrainer:
-    def __init__(self, config: DistillConfig, *, progress: bool = True):
-        self.config = c = config
-        self.progress = progress
-        d = c.distill
-        check_processes(c)
+    def check(self) -> None:
+        c, d = self.config, self.config.distill
         if jax.process_count() > 1 and d.mode != "offline":
             raise PosttrainError(f"distill.mode={d.mode} samples, which runs in one process for now; use "
                                  "mode=offline with --distributed")
         if d.mode == "on_policy" and c.lora.enabled and c.lora.dropout > 0:
             raise PosttrainError("lora.dropout must be 0 with distill.mode=on_policy (the student samples)")
-        if c.train.eval_every and not c.data.eval:
-            raise PosttrainError("train.eval_every is set but data.eval is not; give data.eval=FILE or set "
-                                 "train.eval_every=0")
-        self.tokenizer = tok = build_tokenizer(c.model)
+
+    def load(self) -> None:
+        c, d, tok = self.config, self.config.distill, self.tokenizer
         check_same_tokenizer(tok, build_tokenizer(c.teacher), "model.tokenizer and teacher.tokenizer differ: "
                              "distillation compares the models token by token (model.tokenizer=<teacher folder>)")
-        self.mesh, self.rules = build_mesh(c.sharding)
         self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules)
         self.teacher = build_model(c.teacher, tok, None, self.mesh, self.rules)
         s, t = self.model.cfg, self.teacher.cfg
@@ -171,88 +152,62 @@ class DistillTrainer:
         self.loss_fn = make_distill_loss(**kw, eval_metrics=False)
         self.eval_loss_fn = make_distill_loss(**kw, eval_metrics=True)
 
-    def _sampling(self) -> SamplingParams:
-        d = self.config.distill
-        return SamplingParams(max_new_tokens=d.max_new_tokens, temperature=d.sample_temperature,
-                              stop_ids=self.tokenizer.eos_ids)
-
-    def teacher_examples(self) -> list[Example]:
-        """The teacher's completions of the prompts: read from run_dir when cached for these prompts,
-        this teacher and these sampling settings, else sampled and written (atomically)."""
-        c, d = self.config, self.config.distill
-        path = os.path.join(c.run_dir, SAMPLES_FILE)
-        digest = hashlib.sha256(repr((C.to_dict(c.teacher), _weights_stamp(c.teacher.path), d.max_new_tokens,
-                                      d.sample_temperature, c.train.seed)).encode())
-        for p in self.prompts:
-            digest.update(np.int64(len(p.ids)).tobytes() + p.ids.tobytes())
-        key = digest.hexdigest()
-        if c.checkpoint.resume and os.path.isfile(path):
-            with np.load(path, allow_pickle=False) as f:
-                if str(f["key"]) == key:
-                    ends = np.cumsum(f["lengths"])
-                    return [Example(ids, mask, p.where) for ids, mask, p in
-                            zip(np.split(f["ids"], ends[:-1]), np.split(f["mask"], ends[:-1]), self.prompts)]
-        out = teacher_samples(self.teacher, self.tokenizer, self.prompts, max_new_tokens=d.max_new_tokens,
-                              temperature=d.sample_temperature, seed=c.train.seed)
-        tmp = path + ".tmp.npz"
-        np.savez(tmp, key=key, ids=np.concatenate([e.ids for e in out]),
-                 mask=np.concatenate([e.loss_mask for e in out]), lengths=np.asarray([len(e.ids) for e in out]))
-        with open(os.path.join(c.run_dir, "teacher_data.jsonl.tmp"), "w") as fh:  # for people to read
-            for p, e in zip(self.prompts, out):
-                fh.write(json.dumps({"prompt": p.prompt, "completion": self.tokenizer.decode(
-                    e.ids[len(p.ids):], skip_special_tokens=False)}) + "\n")
-        os.replace(os.path.join(c.run_dir, "teacher_data.jsonl.tmp"), os.path.join(c.run_dir, "teacher_data.jsonl"))
-        os.replace(tmp, path)
-        return out
-
-    def setup(self) -> dict:
+    def build(self) -> Parts:
         c, d, tok = self.config, self.config.distill, self.tokenizer
         if d.mode == "teacher_generated":
-            prepare_run_dir(c)  # the samples go into a checked run folder
-            self.train_examples = self.teacher_examples()
-        frozen_graphdef, frozen = nnx.split(self.teacher)
-        graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
-                                                        rules=self.rules)
-        micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)
-        raw = make_train_step(self.loss_fn, optimizer, graphdef, micro_batches=micro, schedule=lr,
-                              frozen_graphdef=frozen_graphdef, trainable=self.trainable, mesh=self.mesh,
-                              rules=self.rules)
-        offline = None
-        if self.train_examples is not None:
-            offline = iter(batches(self.train_examples, batch_size=c.train.batch_size, seq_len=c.data.max_length,
-                                   pad_id=tok.pad_id, packing=c.data.packing and d.mode != "on_policy",
-                                   seed=c.data.seed, shuffle=c.data.shuffle))
-        data = offline
-        if d.mode == "on_policy":
+            self.prepare_run_dir()  # the samples go into a checked run folder
+            self.train_examples = cached_teacher_samples(
+                os.path.join(c.run_dir, SAMPLES_FILE), (C.to_dict(c.teacher), weights_stamp(c.teacher.path),
+                                                        d.max_new_tokens, d.sample_temperature, c.train.seed),
+                self.teacher, tok, self.prompts, max_new_tokens=d.max_new_tokens, temperature=d.sample_temperature,
+                seed=c.train.seed, reuse=c.checkpoint.resume)
+
+        def data(graphdef):
+            offline = None
+            if self.train_examples is not None:
+                offline = iter(batches(self.train_examples, batch_size=c.train.batch_size, seq_len=c.data.max_length,
+                                       pad_id=tok.pad_id, packing=c.data.packing and d.mode != "on_policy",
+                                       seed=c.data.seed, shuffle=c.data.shuffle))
+            if d.mode != "on_policy":
+                return offline
             longest = max(len(p.ids) for p in self.prompts)
             sampler = Sampler(self.model, max_len=longest + d.max_new_tokens, pad_id=tok.pad_id, mesh=self.mesh,
                               rules=self.rules, buckets=(longest,))
-            data = OnPolicyBatches(offline, self.prompts, sampler, graphdef, batch_size=c.train.batch_size,
-                                   seq_len=c.data.max_length, pad_id=tok.pad_id, lmbda=d.lmbda,
-                                   params=self._sampling(), seed=c.data.seed, shuffle=c.data.shuffle)
-        evaluate = None
-        if self.eval_examples:
-            arrays = to_arrays(self.eval_examples, c.data.max_length, tok.pad_id, c.data.packing)
-            evaluate = make_eval(self.eval_loss_fn, graphdef, arrays,
-                                 batch_size=c.train.batch_size, mesh=self.mesh, rules=self.rules, frozen=frozen,
-                                 frozen_graphdef=frozen_graphdef)
-        return dict(graphdef=graphdef, state=state, raw_step=raw, step=lambda s, b: raw(s, b, frozen), frozen=frozen,
-                    batches=data, evaluate=evaluate)
+            params = SamplingParams(max_new_tokens=d.max_new_tokens, temperature=d.sample_temperature,
+                                    stop_ids=tok.eos_ids)
+            return OnPolicyBatches(offline, self.prompts, sampler, graphdef, batch_size=c.train.batch_size,
+                                   seq_len=c.data.max_length, pad_id=tok.pad_id, lmbda=d.lmbda, params=params,
+                                   seed=c.data.seed, shuffle=c.data.shuffle)
 
-    def train(self) -> dict:
-        """Train (or resume) in run_dir, see `run_trainer`; afterwards `self.model` holds the student."""
-        c, d = self.config, self.config.distill
-        frac = trainable_fraction(self.model) if c.lora.enabled else 1.0
-        parts = self.setup()
-        n_examples = len(self.train_examples or self.prompts)
-        summary = (f"[distill] {n_examples} {'prompts' if self.train_examples is None else 'examples'}, mode "
-                   f"{d.mode}, strategy {'+'.join(d.strategy)}; student {count_params(self.model):,} parameters "
-                   f"(trainable {frac:.2%}), teacher {count_params(self.teacher):,}")
+        evals = None
+        if self.eval_examples:
+            evals = lambda: to_arrays(self.eval_examples, c.data.max_length, tok.pad_id, c.data.packing)  # noqa: E731
         L = c.data.max_length  # a step: the student's training FLOPs and the teacher's forward (a third of its)
-        flops = model_flops_per_token(self.model.cfg, L) + model_flops_per_token(self.teacher.cfg, L) / 3
-        host = getattr(parts["batches"], "metrics", None)
-        state, result = run_trainer(c, parts["state"], parts["step"], parts["batches"], name="distill",
-                                    evaluate=parts["evaluate"], mesh=self.mesh, rules=self.rules, summary=summary,
-                                    progress=self.progress, flops_per_token=flops, host_metrics=host)
-        self.model = merge(parts["graphdef"], state)
-        return result
+        n_examples = len(self.train_examples or self.prompts)
+        return Parts(
+            model=self.model, loss_fn=self.loss_fn, eval_loss_fn=self.eval_loss_fn, trainable=self.trainable,
+            frozen=nnx.split(self.teacher), batches=data, eval_arrays=evals,
+            flops_per_token=model_flops_per_token(self.model.cfg, L) + model_flops_per_token(self.teacher.cfg, L) / 3,
+            summary=(f"{n_examples} {'prompts' if self.train_examples is None else 'examples'}, mode {d.mode}, "
+                     f"strategy {'+'.join(d.strategy)}; teacher {count_params(self.teacher):,} parameters"))
+
+    @staticmethod
+    def done_line(r: dict) -> str:
+        line = f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}"
+        if "eval_teacher_kl" in r:
+            line += (f", held-out KL(teacher||student) {r['eval_teacher_kl']:.4f}, top-1 agreement "
+                     f"{r['eval_top1_agreement']:.1%}")
+        return line
+
+    @classmethod
+    def run_model(cls, config, tok):
+        """The student; with distill.projection, the projection it trained with (not exported)."""
+        model, trainable = super().run_model(config, tok)
+        if config.distill.projection:
+            t = config.teacher
+            attach_projection(model, (load_config(t.path, t.text_only) if t.path else preset_config(t, tok)).embed_dim)
+            trainable = nnx.Any(trainable, ProjectionParam)
+        return model, trainable
+
+
+RECIPE = DistillTrainer

@@ -11,7 +11,7 @@
     (a resumed run reads them back).
 Metrics every log step: loss, rewards/chosen, rewards/rejected, rewards/margins,
 rewards/accuracies, logps/chosen, logps/rejected (TRL's names); with data.eval the same as
-eval_*. Run folder, resume, checkpoints, sinks and the mesh are `train.lifecycle.run_trainer`'s,
+eval_*. Run folder, resume, checkpoints, sinks and the mesh are the shared driver's (`train.recipe`),
 exactly as for SFT; `posttrain export --run` writes the policy as a Hugging Face folder.
 
 What it is not: online DPO (no sampling) or KTO (unpaired data).
@@ -34,20 +34,11 @@ from posttrain.data.preference import load_pairs, pair_arrays, pair_batches, pai
 from posttrain.errors import PosttrainError
 from posttrain.losses.dpo import make_dpo_loss
 from posttrain.losses.logps import branch_logps
-from posttrain.models import count_params
-from posttrain.models.lora import LoraParam, adapters_off, trainable_fraction
-from posttrain.train import make_train_step, merge
-from posttrain.train.lifecycle import (
-    check_processes,
-    frozen_copy,
-    make_eval,
-    place_batch,
-    prepare_run_dir,
-    run_trainer,
-    training_state,
-)
+from posttrain.models.lora import LoraParam, adapters_off
+from posttrain.train.build import build_model, weights_stamp
+from posttrain.train.lifecycle import frozen_copy, place_batch
 from posttrain.train.metrics import model_flops_per_token
-from posttrain.trainers.sft import build_mesh, build_model, build_tokenizer
+from posttrain.train.recipe import Parts, Recipe, lora_reference
 
 REF_FILE = "ref_logps.npz"
 LossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -85,43 +76,30 @@ class DPOConfig:
     run_dir: str = "runs/dpo"  # folder for checkpoints, logs, the config and cached ref log-probs
 
 
-def _weights_stamp(path) -> list:
-    """(name, size, mtime) of a model folder's weight files: a re-export invalidates cached reference log-probs."""
-    if not path or not os.path.isdir(path):
-        return []
-    return sorted((f, os.path.getsize(os.path.join(path, f)), os.path.getmtime(os.path.join(path, f)))
-                  for f in os.listdir(path) if f.endswith(".safetensors"))
+class DPOTrainer(Recipe):
+    name = "dpo"
+    config_class = DPOConfig
 
-
-class DPOTrainer:
-    def __init__(self, config: DPOConfig, *, progress: bool = True):
-        self.config = config
-        self.progress = progress
-        c = config
-        check_processes(c)
-        self.tokenizer = build_tokenizer(c.model)
+    def load(self) -> None:
+        c, tok = self.config, self.tokenizer
         kw = dict(max_length=c.data.max_length, max_prompt_length=c.data.max_prompt_length,
                   truncation=c.data.truncation, skip_bad_rows=c.data.skip_bad_rows)
-        self.train_pairs, self.data_stats = load_pairs(c.data.train, self.tokenizer, **kw)
-        self.eval_pairs = load_pairs(c.data.eval, self.tokenizer, **kw)[0] if c.data.eval else None
-        if c.train.eval_every and not c.data.eval:
-            raise PosttrainError("train.eval_every is set but data.eval is not; give data.eval=FILE or set "
-                                 "train.eval_every=0")
+        self.train_pairs, self.data_stats = load_pairs(c.data.train, tok, **kw)
+        self.eval_pairs = load_pairs(c.data.eval, tok, **kw)[0] if c.data.eval else None
         if len(self.train_pairs) < c.train.batch_size:
             raise PosttrainError(f"{c.data.train}: {len(self.train_pairs)} usable pairs are fewer than "
                                  f"train.batch_size={c.train.batch_size}; lower the batch size or add pairs")
         self.length, self.score_length = pair_shapes(self.train_pairs, self.eval_pairs or [])
-        self.mesh, self.rules = build_mesh(c.sharding)
-        self.model = build_model(c.model, self.tokenizer, c.lora, self.mesh, self.rules)
+        self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules)
         if self.length > self.model.cfg.max_position:
             raise PosttrainError(f"a pair row is {self.length} tokens (prompt + both answers), more than the model's "
                                  f"maximum position {self.model.cfg.max_position}; lower data.max_length")
-        self.trainable = LoraParam if c.lora.enabled else nnx.Param
         self._ref_fn = None
         d = c.dpo
         self.loss_fn = make_dpo_loss(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
-                                     reference=None if d.precompute_ref else ("adapters_off" if c.lora.enabled
-                                                                              else "frozen"))
+                                     reference=None if d.precompute_ref else "frozen")
+        if c.lora.enabled and not d.precompute_ref:
+            self.loss_fn = lora_reference(self.loss_fn)
 
     def _arrays(self, pairs, ref=None) -> dict:
         return pair_arrays(pairs, self.length, self.score_length, self.tokenizer.pad_id,
@@ -153,7 +131,7 @@ class DPOTrainer:
         c = self.config
         path = os.path.join(c.run_dir, REF_FILE)
         # The key: the pairs' token ids and lengths, and what defines the reference model.
-        digest = hashlib.sha256(repr((C.to_dict(c.model), C.to_dict(c.lora), _weights_stamp(c.model.path))).encode())
+        digest = hashlib.sha256(repr((C.to_dict(c.model), C.to_dict(c.lora), weights_stamp(c.model.path))).encode())
         for p in self.train_pairs + (self.eval_pairs or []):
             for x in (p.prompt, p.chosen, p.rejected):
                 digest.update(np.int64(len(x)).tobytes() + x.tobytes())
@@ -181,49 +159,34 @@ class DPOTrainer:
             os.replace(tmp, path)
         return train, (evals if self.eval_pairs else None)
 
-    def setup(self) -> dict:
-        """The pieces `train` hands to `run_trainer`: graphdef, state, step (bound to its reference),
-        frozen (the reference copy, or None), batches, evaluate, reference mode."""
-        c, tok = self.config, self.tokenizer
+    def build(self) -> Parts:
+        c, d, tok = self.config, self.config.dpo, self.tokenizer
         ref_train = ref_eval = None
-        if c.dpo.precompute_ref:
-            prepare_run_dir(c)  # the cache goes into a checked run folder (run_trainer's check is idempotent)
+        if d.precompute_ref:
+            self.prepare_run_dir()  # the cache goes into a checked run folder (run_trainer's check is idempotent)
             ref_train, ref_eval = self._cached_reference()
-        frozen = frozen_graphdef = None
-        if not c.dpo.precompute_ref and not c.lora.enabled:  # full fine-tuning: a frozen copy of the start
-            frozen_graphdef, frozen = frozen_copy(self.model)
-        graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
-                                                        rules=self.rules)
-        micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)
-        raw = make_train_step(self.loss_fn, optimizer, graphdef, micro_batches=micro, schedule=lr,
-                              frozen_graphdef=frozen_graphdef, trainable=self.trainable, mesh=self.mesh,
-                              rules=self.rules)
-        data = iter(pair_batches(self.train_pairs, batch_size=c.train.batch_size, length=self.length,
-                                 score_length=self.score_length, pad_id=tok.pad_id, seed=c.data.seed,
-                                 shuffle=c.data.shuffle,
-                                 extra=None if ref_train is None else {"ref_logps": ref_train}))
-        evaluate = None
-        if self.eval_pairs:
-            evaluate = make_eval(self.loss_fn, graphdef, self._arrays(self.eval_pairs, ref_eval),
-                                 batch_size=c.train.batch_size, mesh=self.mesh, rules=self.rules, frozen=frozen,
-                                 frozen_graphdef=frozen_graphdef)
-        mode = "precomputed" if c.dpo.precompute_ref else "adapters off" if c.lora.enabled else "frozen copy"
-        return dict(graphdef=graphdef, state=state, raw_step=raw, step=lambda s, b: raw(s, b, frozen),
-                    frozen=frozen, batches=data, evaluate=evaluate, reference=mode)
-
-    def train(self) -> dict:
-        """Train (or resume) in run_dir, see `run_trainer`; afterwards `self.model` holds the trained policy."""
-        c = self.config
-        n_params = count_params(self.model)
-        frac = trainable_fraction(self.model) if c.lora.enabled else 1.0
-        parts = self.setup()
-        summary = (f"[dpo] {len(self.train_pairs)} pairs ({self.data_stats}), rows of {self.length} tokens, "
-                   f"{n_params:,} parameters, trainable {frac:.2%}, loss {c.dpo.loss_type} beta {c.dpo.beta}, "
-                   f"reference: {parts['reference']}")
+        extra = None if ref_train is None else {"ref_logps": ref_train}
+        mode = "precomputed" if d.precompute_ref else "adapters off" if c.lora.enabled else "frozen copy"
         # The reference forward adds one forward (a third of a training step) unless precomputed.
-        flops = model_flops_per_token(self.model.cfg, self.length) * (1.0 if c.dpo.precompute_ref else 4 / 3)
-        state, result = run_trainer(c, parts["state"], parts["step"], parts["batches"], name="dpo",
-                                    evaluate=parts["evaluate"], mesh=self.mesh, rules=self.rules, summary=summary,
-                                    progress=self.progress, flops_per_token=flops)
-        self.model = merge(parts["graphdef"], state)
-        return result
+        flops = model_flops_per_token(self.model.cfg, self.length) * (1.0 if d.precompute_ref else 4 / 3)
+        return Parts(
+            model=self.model, loss_fn=self.loss_fn, trainable=LoraParam if c.lora.enabled else nnx.Param,
+            frozen=frozen_copy(self.model) if not d.precompute_ref and not c.lora.enabled else None,
+            batches=lambda graphdef: iter(pair_batches(
+                self.train_pairs, batch_size=c.train.batch_size, length=self.length, score_length=self.score_length,
+                pad_id=tok.pad_id, seed=c.data.seed, shuffle=c.data.shuffle, extra=extra)),
+            eval_arrays=(lambda: self._arrays(self.eval_pairs, ref_eval)) if self.eval_pairs else None,
+            flops_per_token=flops,
+            summary=(f"{len(self.train_pairs)} pairs ({self.data_stats}), rows of {self.length} tokens, loss "
+                     f"{d.loss_type} beta {d.beta}, reference: {mode}"))
+
+    @staticmethod
+    def done_line(r: dict) -> str:
+        return f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}, reward accuracy {r['rewards/accuracies']:.1%}"
+
+    @classmethod
+    def plan_rows(cls, c) -> tuple[int, int]:
+        return 2 * c.data.max_length - 1, 0  # [prompt | chosen | rejected]: prompt + the longer answer + the other
+
+
+RECIPE = DPOTrainer

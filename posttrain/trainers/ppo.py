@@ -2,21 +2,17 @@
 
 `PPOTrainer(config).train()` (or `posttrain ppo --config configs/ppo_tiny.yaml`): the prompts and
 reward functions of GRPO (`trainers/grpo.py`), the policy (LoRA or full) and a critic, one train
-step over both (`losses/ppo.make_ppo_loss`) through `train.lifecycle.run_trainer` (run folder,
+step over both (`rl/ppo.make_ppo_loss`) on the shared driver, `train.recipe` (run folder,
 resume, checkpoints, sinks, mesh as every trainer). The batch source is `rl/ppo.PPORollout`:
 samples on the train state's weights, rewards, one forward for the reference log-probs and the
 critic's values, −β·KL per token + the score at the last token, GAE, whitening, then
 `ppo.ppo_epochs` passes in shuffled mini-batches of `ppo.mini_batch_size` prompts, one optimizer
 step each (train.steps counts these steps).
 
-Critic (`ppo.critic`): `separate`, its own Transformer with a value head (`models/heads.py`),
-started from the policy's weights or from `ppo.critic_path` (a reward-model folder keeps its score
-head; a causal-LM folder gets a fresh one; LoRA, when on, applies to it too); or `shared`, the
-value head on the policy's backbone. Policy and critic are one NNX module (`PolicyCritic`): one
-train state, checkpoint and weights file hold both; the optimizer is `optax.multi_transform` of
-two AdamW chains (own moments, clipping and schedule; the critic's lr is `ppo.critic_lr`). The
-checkpoint also holds the rollout in use and β. The reference is the policy with its LoRA adapters
-off (no copy) or a frozen copy of its start.
+Critic (`ppo.critic`): `separate` (its own Transformer with a value head, from the policy's start or
+`ppo.critic_path`) or `shared` (a value head on the policy), one NNX module with the policy
+(`rl/critic.py`: one train state, two AdamW chains). The reference is the policy with its LoRA
+adapters off (no copy) or a frozen copy of its start.
 
 What it is not: GRPO (no critic, group advantages) or an off-policy method.
 """
@@ -25,11 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Literal, Optional
 
 import jax
-import optax
 from flax import nnx
 
 from posttrain import config as C
@@ -38,19 +32,15 @@ from posttrain.data.prompts import load_prompts
 from posttrain.errors import PosttrainError
 from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.logps import branch_logps
-from posttrain.losses.ppo import critic_values, make_ppo_loss
-from posttrain.models import count_params, from_pretrained, load_config
-from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head
-from posttrain.models.hf import _tensor_files
-from posttrain.models.lora import adapters_off, apply_lora
-from posttrain.rl.ppo import AdaptiveKL, FixedKL, PPORollout
-from posttrain.tokenizer import Tokenizer, check_same_tokenizer
-from posttrain.train import make_optimizer, make_train_step, merge, schedule
-from posttrain.train.lifecycle import check_processes, frozen_copy, run_trainer, training_state
+from posttrain.models.lora import adapters_off
+from posttrain.rewards.registry import reward_functions
+from posttrain.rl.critic import check_reward_model, critic_values, ppo_model, ppo_optimizer
+from posttrain.rl.ppo import AdaptiveKL, FixedKL, PPORollout, make_ppo_loss
+from posttrain.train import merge
+from posttrain.train.build import build_model
+from posttrain.train.lifecycle import frozen_copy
 from posttrain.train.metrics import model_flops_per_token
-from posttrain.trainers.grpo import PromptDataSection, reward_functions
-from posttrain.trainers.reward_model import _is_classifier
-from posttrain.trainers.sft import build_mesh, build_model, build_tokenizer
+from posttrain.train.recipe import Parts, Recipe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,7 +110,7 @@ class PPOSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PPOConfig:
     model: C.ModelSection  # the policy (required)
-    data: PromptDataSection  # prompts (required)
+    data: C.PromptDataSection  # prompts (required)
     ppo: PPOSection = dataclasses.field(default_factory=PPOSection)  # critic, rewards, KL, GAE, clipping
     optim: C.OptimSection = dataclasses.field(default_factory=C.OptimSection)  # AdamW + lr schedule
     lora: C.LoraSection = dataclasses.field(default_factory=C.LoraSection)  # adapters (policy and critic)
@@ -132,134 +122,41 @@ class PPOConfig:
     run_dir: str = "runs/ppo"  # folder for checkpoints, logs and the saved config
 
 
-class PolicyCritic(nnx.Module):
-    """The policy and its critic as one module (one train state); critic None = value head on the policy."""
-    def __init__(self, policy, critic=None):
-        self.policy, self.critic = policy, critic
+class PPOTrainer(Recipe):
+    name = "ppo"
+    config_class = PPOConfig
 
+    samples = True
 
-def build_critic(c: PPOConfig, tok: Tokenizer, policy, mesh=None, rules=None):
-    """The separate critic (see the module docstring), or None after attaching the shared value head."""
-    p, mc = c.ppo, c.model
-    if p.critic == "shared":
-        attach_score_head(policy, seed=mc.seed + 1, drop_lm_head=False)
-        return None
-    if p.critic_path is None:
-        critic = build_model(mc, tok, None, mesh, rules)  # the policy's start: same folder / preset and seed
-        attach_score_head(critic, seed=mc.seed + 1)
-    else:
-        path = p.critic_path
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise PosttrainError(f"ppo.critic_path: {path} has no config.json; give a HF model or reward-model folder")
-        cfg = load_config(path)
-        if cfg.embed_dim != policy.cfg.embed_dim:
-            raise PosttrainError(f"ppo.critic_path: {path} has hidden size {cfg.embed_dim} but the policy has "
-                                 f"{policy.cfg.embed_dim}; use a critic of the policy's family and size")
-        check_critic_tokenizer(path, tok, cfg.vocab_size)
-        head = "score" if _is_classifier(path) else None  # a reward model's head is the value head's start
-        critic = from_pretrained(path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules,
-                                 head=head)
-        if head is None:
-            attach_score_head(critic, seed=mc.seed + 1)
-        elif critic.score[...].shape[-1] != 1:
-            raise PosttrainError(f"ppo.critic_path: {path} has {critic.score[...].shape[-1]} labels; need 1")
-        critic.cfg = critic.cfg.replace(remat=mc.remat)
-    if c.lora.enabled:
-        apply_lora(critic, rank=c.lora.rank, alpha=c.lora.alpha, dropout=c.lora.dropout, targets=c.lora.targets,
-                   seed=mc.seed + 1)
-    return critic
-
-
-def ppo_model(c: PPOConfig, tok: Tokenizer, policy, mesh=None, rules=None):
-    """(PolicyCritic around `policy`, its trainable filter): the trainer's model, and a run's when loaded."""
-    critic = build_critic(c, tok, policy, mesh, rules)
-    return PolicyCritic(policy, critic), TRAINABLE_WITH_LORA if c.lora.enabled else nnx.Param
-
-
-def check_critic_tokenizer(path: str, tok: Tokenizer, vocab_size: int) -> None:
-    """The critic reads the policy's token ids: its tokenizer (when it has one) must be the policy's."""
-    try:
-        other = Tokenizer.from_pretrained(path)
-    except PosttrainError:  # no tokenizer files: the vocabulary must at least cover the policy's ids
-        if vocab_size < tok.vocab_size:
-            raise PosttrainError(f"ppo.critic_path: {path} has a vocabulary of {vocab_size}, fewer than the "
-                                 f"policy tokenizer's {tok.vocab_size} tokens; a critic must read the policy's "
-                                 "token ids") from None
-        return
-    check_same_tokenizer(tok, other, f"ppo.critic_path: the tokenizer of {path} differs from the policy's")
-
-
-def check_reward_model(path: Optional[str]) -> None:
-    """ppo.reward_model must be a sequence-classifier folder with its score head (unset: reward_functions says)."""
-    if path and (not _is_classifier(path) or "score.weight" not in _tensor_files(path)):
-        raise PosttrainError(f"ppo.reward_model: {path} has no score head (not a *ForSequenceClassification "
-                             "folder with score.weight); train one with `posttrain rm`, export it with "
-                             "`posttrain export`, and point ppo.reward_model at the export")
-
-
-def ppo_optimizer(c: PPOConfig):
-    """multi_transform of the policy's AdamW chain (config.optim) and the critic's (lr ppo.critic_lr)."""
-    critic_optim = dataclasses.replace(c.optim, lr=c.ppo.critic_lr or c.optim.lr)
-
-    def labels(params):
-        def which(path, _):
-            names = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
-            return "critic" if names[0] == "critic" or "score" in names else "policy"
-        return jax.tree_util.tree_map_with_path(which, params)
-
-    critic = make_optimizer(critic_optim, schedule(critic_optim, c.train.steps))
-    policy = make_optimizer(c.optim, schedule(c.optim, c.train.steps))
-    return optax.multi_transform({"policy": policy, "critic": critic}, labels)
-
-
-class PPOTrainer:
-    def __init__(self, config: PPOConfig, *, progress: bool = True):
-        self.config = c = config
-        self.progress = progress
-        p = c.ppo
-        check_processes(c)
-        for bad, msg in [
-            (c.train.micro_batch_size not in (None, c.train.batch_size),
-             "train.micro_batch_size is not supported by ppo (the loss normalises over the mini-batch); use "
-             "ppo.mini_batch_size"),
-            (c.train.batch_size % (p.mini_batch_size or c.train.batch_size),
-             f"ppo.mini_batch_size={p.mini_batch_size} must divide train.batch_size={c.train.batch_size}"),
-            (jax.process_count() > 1, "posttrain ppo runs in one process for now; run it without --distributed"),
-            (c.lora.enabled and c.lora.dropout > 0 or c.train.eval_every,
-             "ppo needs lora.dropout = 0 (the sampler would sample a noised policy) and train.eval_every = 0")]:
-            if bad:
-                raise PosttrainError(msg)
+    def check(self) -> None:
+        c, p = self.config, self.config.ppo
+        if c.train.batch_size % (p.mini_batch_size or c.train.batch_size):
+            raise PosttrainError(f"ppo.mini_batch_size={p.mini_batch_size} must divide "
+                                 f"train.batch_size={c.train.batch_size}")
         check_reward_model(p.reward_model if "reward_model" in p.rewards else None)
-        self.tokenizer = build_tokenizer(c.model)
-        self.prompts, self.data_stats = load_prompts(c.data.train, self.tokenizer,
-                                                     max_prompt_length=c.data.max_prompt_length,
+
+    def load(self) -> None:
+        c, p, tok = self.config, self.config.ppo, self.tokenizer
+        self.prompts, self.data_stats = load_prompts(c.data.train, tok, max_prompt_length=c.data.max_prompt_length,
                                                      skip_bad_rows=c.data.skip_bad_rows)
-        try:
-            self.reward_funcs, self.reward_weights = reward_functions(p, self.tokenizer, self.prompts)
-        except PosttrainError as err:  # the GRPO helper names its own section's keys
-            raise PosttrainError(str(err).replace("grpo.", "ppo.")) from None
+        self.reward_funcs, self.reward_weights = reward_functions(p, tok, self.prompts, key="ppo")
         up = lambda x: -(-x // 8) * 8  # noqa: E731
         self.length = up(max(len(q.ids) for q in self.prompts) + p.num_generations * p.max_new_tokens)
-        self.mesh, self.rules = build_mesh(c.sharding)
-        policy = build_model(c.model, self.tokenizer, c.lora, self.mesh, self.rules)
+        policy = build_model(c.model, tok, c.lora, self.mesh, self.rules)
         if c.data.max_prompt_length + p.max_new_tokens > policy.cfg.max_position:
             raise PosttrainError(f"data.max_prompt_length + ppo.max_new_tokens exceeds the model's maximum position "
                                  f"{policy.cfg.max_position}")
-        self.model, self.trainable = ppo_model(c, self.tokenizer, policy, self.mesh, self.rules)
+        self.model, self.trainable = ppo_model(c, tok, policy, self.mesh, self.rules)
         self.loss_fn = make_ppo_loss(**{k: getattr(p, k) for k in (
             "num_generations", "max_new_tokens", "temperature", "epsilon_low", "epsilon_high", "dual_clip",
             "value_clip", "vf_coef", "entropy_coef")})
 
-    def setup(self) -> dict:
+    def rollout(self, graphdef, frozen):
+        """The batch source: PPORollout, with one jitted forward for the reference log-probs and the values."""
         c, p, tok = self.config, self.config.ppo, self.tokenizer
         n, use_ref = p.num_generations, p.kl_coef > 0
-        frozen = frozen_graphdef = None
-        if use_ref and not c.lora.enabled:  # full fine-tuning: a frozen copy of the policy's start
-            frozen_graphdef, frozen = frozen_copy(self.model.policy)
-        graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
-                                                        rules=self.rules, optimizer=ppo_optimizer(c))
-        step = make_train_step(self.loss_fn, optimizer, graphdef, schedule=lr, trainable=self.trainable,
-                               mesh=self.mesh, rules=self.rules)
+        frozen_graphdef, fz = frozen or (None, None)
+
         @jax.jit
         def prepare(st, batch, fz):
             with sh.use_mesh(self.mesh, self.rules):
@@ -275,29 +172,49 @@ class PPOTrainer:
         params = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
                                 top_k=p.top_k, n=n, stop_ids=tok.eos_ids)
         kl = FixedKL(p.kl_coef) if p.kl_target is None else AdaptiveKL(p.kl_coef, p.kl_target, p.kl_horizon)
-        rollout = PPORollout(self.prompts, tok, sampler, graphdef, batch_size=c.train.batch_size, n=n, params=params,
+        return PPORollout(self.prompts, tok, sampler, graphdef, batch_size=c.train.batch_size, n=n, params=params,
                              reward_funcs=self.reward_funcs, reward_weights=self.reward_weights, length=self.length,
                              seed=c.data.seed, shuffle=c.data.shuffle, reward_timeout_s=p.reward_timeout_s,
-                             on_reward_error=p.on_reward_error, prepare=lambda st, b: prepare(st, b, frozen),
+                             on_reward_error=p.on_reward_error, prepare=lambda st, b: prepare(st, b, fz),
                              kl_controller=kl, kl_estimator=p.kl_estimator, gamma=p.gamma, lam=p.lam,
                              whiten=p.whiten_advantages, ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
                              missing_eos_penalty=p.missing_eos_penalty)
-        return dict(graphdef=graphdef, state=state, step=step, frozen=frozen, rollout=rollout, sampler=sampler,
-                    prepare=prepare)
 
-    def train(self) -> dict:
+    def build(self) -> Parts:
         c, p = self.config, self.config.ppo
-        n_params, n_train = count_params(self.model), count_params(nnx.state(self.model, self.trainable))
-        parts = self.setup()
-        summary = (f"[ppo] {len(self.prompts)} prompts ({self.data_stats}), {p.num_generations} samples x "
-                   f"{p.max_new_tokens} tokens each, rows of {self.length} tokens, {p.critic} critic, "
-                   f"{n_params:,} parameters, trainable {n_train / n_params:.2%}, {p.ppo_epochs} epochs x "
-                   f"{parts['rollout'].per_epoch} mini-batches per rollout, kl_coef {p.kl_coef} "
-                   f"({'adaptive, target ' + str(p.kl_target) if p.kl_target else 'fixed'}), rewards {dict(p.rewards)}")
+        frozen = frozen_copy(self.model.policy) if p.kl_coef > 0 and not c.lora.enabled else None
+        mu = p.ppo_epochs * (c.train.batch_size // (p.mini_batch_size or c.train.batch_size))  # steps per rollout
         f = model_flops_per_token(self.model.policy.cfg, self.length)  # policy (+ critic) train, + prepare forwards
-        flops = f * (1.0 if p.critic == "shared" else 2.0) + f / 3 * (1 + (p.kl_coef > 0)) / parts["rollout"].mu
-        state, result = run_trainer(c, parts["state"], parts["step"], parts["rollout"], name="ppo", mesh=self.mesh,
-                                    rules=self.rules, summary=summary, progress=self.progress,
-                                    flops_per_token=flops, host_metrics=parts["rollout"].metrics)
-        self.model = merge(parts["graphdef"], state)
-        return result
+        summary = (f"{len(self.prompts)} prompts ({self.data_stats}), {p.num_generations} samples x "
+                   f"{p.max_new_tokens} tokens each, rows of {self.length} tokens, {p.critic} critic, "
+                   f"{p.ppo_epochs} epochs x {mu // p.ppo_epochs} mini-batches per rollout, kl_coef {p.kl_coef} "
+                   f"({'adaptive, target ' + str(p.kl_target) if p.kl_target else 'fixed'}), rewards {dict(p.rewards)}")
+        # The step takes no frozen model (`prepare` reads it): Parts.frozen stays None.
+        return Parts(model=self.model, loss_fn=self.loss_fn, trainable=self.trainable, optimizer=ppo_optimizer(c),
+                     batches=lambda graphdef: self.rollout(graphdef, frozen), summary=summary,
+                     flops_per_token=f * (1.0 if p.critic == "shared" else 2.0) + f / 3 * (1 + (p.kl_coef > 0)) / mu)
+
+    @staticmethod
+    def done_line(r: dict) -> str:
+        return (f"{r['step']} steps, reward {r.get('reward/mean', float('nan')):.3f}, "
+                f"kl {r.get('kl', float('nan')):.4f}")
+
+    @classmethod
+    def plan_rows(cls, c) -> tuple[int, int]:
+        """As GRPO's; the critic, a second model, is not counted."""
+        n, width = c.ppo.num_generations, c.ppo.max_new_tokens
+        return c.data.max_prompt_length + n * width, c.train.batch_size * n * (c.data.max_prompt_length + width)
+
+    @classmethod
+    def run_model(cls, config, tok):
+        return ppo_model(config, tok, build_model(config.model, tok, config.lora))
+
+    @classmethod
+    def exported(cls, config, model):
+        """The policy alone, as a causal LM (a shared value head is dropped)."""
+        policy = model.policy
+        policy.score = nnx.data(None)
+        return policy
+
+
+RECIPE = PPOTrainer

@@ -5,14 +5,16 @@ tokenizer, the preference pairs (`data/preference.py`, TRL's formats, optional "
 column) and the model (a HF causal-LM folder or a preset), attaches a score head
 (`models/heads.py`, normal(0, initializer_range) from `model.seed`; the LM head is dropped)
 and, if enabled, LoRA adapters (then the adapters and the head train: `TRAINABLE_WITH_LORA`).
-Each pair is one prefix-shared row [prompt | chosen | rejected] run once; the loss is
-`losses/reward.py` (TRL's RewardTrainer loss, with the margin and reward centering options),
-and `train.lifecycle.run_trainer` does the rest (run folder, resume, sinks, eval, checkpoints,
-`trainable.safetensors`), as for SFT. Eval metrics: eval_loss, eval_accuracy, eval_margin, ...
+Each pair is one prefix-shared row [prompt | chosen | rejected] run once (`pair_scores`); the loss
+is `make_reward_loss` over `losses/reward.per_pair_loss` (TRL's RewardTrainer loss, with the margin
+and reward centering options), on the shared driver (`train.recipe`: run folder, resume, sinks,
+eval, checkpoints, `trainable.safetensors`), as for SFT. Eval metrics: eval_loss, eval_accuracy,
+eval_margin, ...
 
-`export_rm_run(run_dir, out)` writes a finished run as a HF `<Family>ForSequenceClassification`
-folder (LoRA merged; num_labels 1; pad_token_id set) that transformers' AutoModelForSequence-
-Classification and `posttrain.rewards.RewardModel` load with the same scores.
+`posttrain export --run` (`runs.export_run`) writes a finished run as a HF
+`<Family>ForSequenceClassification` folder (LoRA merged; num_labels 1; pad_token_id set) that
+transformers' AutoModelForSequenceClassification and `posttrain.rewards.RewardModel` load with the
+same scores.
 """
 
 from __future__ import annotations
@@ -22,21 +24,20 @@ import json
 import os
 from typing import Optional
 
+import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import config as C
 from posttrain.data.preference import load_pairs, pair_arrays, pair_batches, pair_shapes
 from posttrain.errors import PosttrainError
-from posttrain.losses.reward import make_reward_loss
-from posttrain.models import count_params, from_pretrained, save_pretrained
-from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head
-from posttrain.models.lora import apply_lora, merge_lora
-from posttrain.plan import format_plan
-from posttrain.train import make_train_step, merge
-from posttrain.train.lifecycle import WEIGHTS, check_processes, make_eval, run_trainer, training_state
+from posttrain.losses.reward import per_pair_loss
+from posttrain.models import from_pretrained
+from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head, last_token_scores, score_index
+from posttrain.models.lora import apply_lora
+from posttrain.train.build import build_model, is_classifier
 from posttrain.train.metrics import model_flops_per_token
-from posttrain.train.serialize import load_state
-from posttrain.trainers.sft import build_mesh, build_model, build_tokenizer, memory_plan
+from posttrain.train.recipe import Parts, Recipe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,34 +70,25 @@ class RMConfig:
     run_dir: str = "runs/rm"  # folder for checkpoints, logs and the saved config; default runs/rm
 
 
-def _config_json(path: str) -> dict:
-    f = os.path.join(path, "config.json")
-    try:
-        with open(f) as fh:
-            return json.load(fh)
-    except OSError as err:
-        raise PosttrainError(f"{f}: cannot read it ({err.strerror}); model.path must be a HF folder") from None
-    except json.JSONDecodeError as err:
-        raise PosttrainError(f"{f}:{err.lineno}: not valid JSON ({err.msg}); fix or re-export the folder") from None
-
-
 def _init_std(c: RMConfig) -> float:
     if c.rm.init_std is not None:
         return c.rm.init_std
     if c.model.path:  # transformers initialises a new score head with the config's initializer_range
-        return float(_config_json(c.model.path).get("initializer_range", 0.02))
+        f = os.path.join(c.model.path, "config.json")
+        try:
+            with open(f) as fh:
+                return float(json.load(fh).get("initializer_range", 0.02))
+        except (OSError, ValueError) as err:
+            raise PosttrainError(f"{f}: cannot read its initializer_range ({err}); model.path must be a HF "
+                                 "folder") from None
     return 0.02
-
-
-def _is_classifier(path: str) -> bool:
-    return any(a.endswith("ForSequenceClassification") for a in _config_json(path).get("architectures") or ())
 
 
 def build_reward_model(c: RMConfig, tok, mesh=None, rules=None) -> nnx.Module:
     """The backbone (+ LoRA) with a fresh score head, or a reward-model folder's own head when
     model.path is a `*ForSequenceClassification` folder (training continues from it)."""
     mc = c.model
-    if mc.path and _is_classifier(mc.path):
+    if mc.path and is_classifier(mc.path):
         model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules,
                                 head="score", text_only=mc.text_only)
         model.cfg = model.cfg.replace(remat=mc.remat)
@@ -112,79 +104,81 @@ def trainable_filter(c: RMConfig):
     return TRAINABLE_WITH_LORA if c.lora.enabled else nnx.Param
 
 
-class RMTrainer:
-    def __init__(self, config: RMConfig, *, progress: bool = True):
-        self.config = c = config
-        self.progress = progress
-        check_processes(c)  # every user error is raised before the run folder exists
-        self.tokenizer = tok = build_tokenizer(c.model)
+def pair_scores(model, batch: dict, *, pad_id: Optional[int]):
+    """(chosen [B], rejected [B]) float32 scores of a batch of prefix-shared pair rows: the attention rule
+    makes each branch's final hidden states those of the unshared row [prompt | answer], and
+    `score_index` picks the slot HF's sequence classifier scores (the rightmost non-pad token)."""
+    tokens, seg, br = batch["tokens"], batch["segment_ids"], batch["branch_ids"]
+    out = model(tokens, batch["positions"], segment_ids=seg, branch_ids=br, return_hidden=True,
+                return_logits=False)
+    index = jnp.stack([score_index(tokens, seg, br, b, pad_id) for b in (1, 2)], axis=1)  # [B, 2]
+    s = last_token_scores(model, out.hidden[-1], index)[..., 0]  # [B, 2]
+    return s[:, 0], s[:, 1]
+
+
+def make_reward_loss(*, pad_id: Optional[int], use_margin: bool = True, center_coefficient: Optional[float] = None):
+    """`loss_fn(policy, batch, *, frozen=None, rng=None) -> (sum over pairs, metric sums)` of a reward model.
+
+    `pad_id`: the token id the exported config calls pad_token_id (the tokenizer's pad id), so
+    the scored slot is the one transformers scores; `use_margin`: subtract the row's "margin"."""
+
+    def loss_fn(policy, batch, *, frozen=None, rng=None):
+        del frozen, rng
+        chosen, rejected = pair_scores(policy, batch, pad_id=pad_id)
+        real = jnp.any(batch["branch_ids"] == 2, axis=-1).astype(jnp.float32)  # padding rows have no answer
+        margin = batch["margin"].astype(jnp.float32) if use_margin and "margin" in batch else None
+        total = jnp.sum(real * per_pair_loss(chosen, rejected, margin, center_coefficient))
+        sg = jax.lax.stop_gradient
+        c, r = sg(chosen), sg(rejected)
+        metrics = {"loss": sg(total), "denom": jnp.sum(real),
+                   "accuracy": jnp.sum(real * (c > r).astype(jnp.float32)), "margin": jnp.sum(real * (c - r)),
+                   "rewards/chosen": jnp.sum(real * c), "rewards/rejected": jnp.sum(real * r)}
+        return total, metrics
+
+    return loss_fn
+
+
+class RMTrainer(Recipe):
+    name = "rm"
+    config_class = RMConfig
+
+    def load(self) -> None:
+        c, tok = self.config, self.tokenizer
         kw = dict(max_length=c.data.max_length, max_prompt_length=c.data.max_prompt_length,
                   truncation=c.data.truncation, skip_bad_rows=c.data.skip_bad_rows)
         self.train_pairs, self.data_stats = load_pairs(c.data.train, tok, **kw)
         self.eval_pairs = load_pairs(c.data.eval, tok, **kw)[0] if c.data.eval else None
-        if c.train.eval_every and not c.data.eval:
-            raise PosttrainError("train.eval_every is set but data.eval is not; give data.eval=FILE or set "
-                                 "train.eval_every=0")
         self.length, self.score_length = pair_shapes(self.train_pairs, *([self.eval_pairs] if self.eval_pairs else []))
-        self.mesh, self.rules = build_mesh(c.sharding)
         self.model = build_reward_model(c, tok, self.mesh, self.rules)
         if self.length > self.model.cfg.max_position:
             raise PosttrainError(f"pair rows of {self.length} tokens exceed the model's maximum position "
                                  f"{self.model.cfg.max_position}; lower data.max_length")
-        self.trainable = trainable_filter(c)
-        self.loss_fn = make_reward_loss(pad_id=tok.pad_id, use_margin=c.rm.use_margin,
-                                        center_coefficient=c.rm.center_coefficient)
 
-    def train(self) -> dict:
-        """Train (or resume) in run_dir, see `run_trainer`; afterwards `self.model` holds the trained weights."""
+    def build(self) -> Parts:
         c, tok = self.config, self.tokenizer
-        n_params = count_params(self.model)
-        frac = count_params(nnx.state(self.model, self.trainable)) / n_params if c.lora.enabled else 1.0
-        graphdef, state, optimizer, lr = training_state(c, self.model, trainable=self.trainable, mesh=self.mesh,
-                                                        rules=self.rules)
-        micro = c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size)
-        step = make_train_step(self.loss_fn, optimizer, graphdef, micro_batches=micro, schedule=lr,
-                               trainable=self.trainable, mesh=self.mesh, rules=self.rules)
         shapes = dict(length=self.length, score_length=self.score_length, pad_id=tok.pad_id)
-        data = iter(pair_batches(self.train_pairs, batch_size=c.train.batch_size, seed=c.data.seed,
-                                 shuffle=c.data.shuffle, **shapes))
-        evaluate = None
-        if self.eval_pairs is not None:
-            evaluate = make_eval(self.loss_fn, graphdef, pair_arrays(self.eval_pairs, **shapes),
-                                 batch_size=c.train.batch_size, mesh=self.mesh, rules=self.rules)
-        mesh_shape = dict(self.mesh.shape) if self.mesh is not None else {}
-        summary = (f"[rm] {len(self.train_pairs)} pairs ({self.data_stats}), rows of {self.length} tokens, "
-                   f"{n_params:,} parameters, trainable {frac:.2%}\n[rm] memory estimate (as `posttrain plan`, "
-                   f"one row per pair):\n" + format_plan(memory_plan(c, self.model.cfg, mesh_shape)))
-        state, result = run_trainer(c, state, step, data, name="rm", evaluate=evaluate, mesh=self.mesh,
-                                    rules=self.rules, summary=summary, progress=self.progress,
-                                    flops_per_token=model_flops_per_token(self.model.cfg, self.length))
-        self.model = merge(graphdef, state)
-        return result
+        return Parts(
+            model=self.model, trainable=trainable_filter(c),
+            loss_fn=make_reward_loss(pad_id=tok.pad_id, use_margin=c.rm.use_margin,
+                                     center_coefficient=c.rm.center_coefficient),
+            batches=lambda graphdef: iter(pair_batches(self.train_pairs, batch_size=c.train.batch_size,
+                                                       seed=c.data.seed, shuffle=c.data.shuffle, **shapes)),
+            eval_arrays=(lambda: pair_arrays(self.eval_pairs, **shapes)) if self.eval_pairs is not None else None,
+            flops_per_token=model_flops_per_token(self.model.cfg, self.length),
+            summary=f"{len(self.train_pairs)} pairs ({self.data_stats}), rows of {self.length} tokens")
+
+    @staticmethod
+    def done_line(r: dict) -> str:
+        line = f"loss {r['first_loss']:.4f} -> {r['loss']:.4f}"
+        return line + (f", held-out accuracy {r['eval_accuracy']:.3f}" if "eval_accuracy" in r else "")
+
+    @classmethod
+    def plan_rows(cls, c) -> tuple[int, int]:
+        return 2 * c.data.max_length - 1, 0  # one row per pair, as DPO's
+
+    @classmethod
+    def run_model(cls, config, tok):
+        return build_reward_model(config, tok), trainable_filter(config)
 
 
-def load_rm_run(run_dir: str):
-    """(config, tokenizer, trained reward model) of a finished run (LoRA adapters still separate)."""
-    cfg_file = os.path.join(run_dir, "config.yaml")
-    if not os.path.isfile(cfg_file):
-        raise PosttrainError(f"{cfg_file}: missing; --run must be a folder written by `posttrain rm`")
-    config = C.load(RMConfig, cfg_file)
-    tok = build_tokenizer(config.model)
-    model = build_reward_model(config, tok)
-    graphdef, params, rest = nnx.split(model, trainable_filter(config), ...)
-    params = load_state(os.path.join(run_dir, WEIGHTS), params)
-    return config, tok, nnx.merge(graphdef, params, rest)
-
-
-def export_rm_run(run_dir: str, out: str, dtype: Optional[str] = None, overwrite: bool = False) -> str:
-    """Write a finished reward-model run as a HF `*ForSequenceClassification` folder (LoRA merged); `out` is
-    checked as by `sft.export_run` (never the run folder; an existing folder only if a previous export)."""
-    from posttrain.models.hf import canonical_dtype, check_export_target
-
-    dtype = canonical_dtype(dtype, "--dtype")
-    check_export_target(out, overwrite, run_dir=run_dir)
-    config, tok, model = load_rm_run(run_dir)
-    if config.lora.enabled:
-        merge_lora(model)
-    return save_pretrained(model, out, tokenizer=tok, dtype=dtype, overwrite=overwrite)
-
+RECIPE = RMTrainer

@@ -149,7 +149,8 @@ def test_code_tests_refuses_network_and_the_listener_sees_no_connection():
 
 
 def test_code_tests_through_the_reward_config_path():
-    from posttrain.trainers.grpo import GRPOSection, reward_functions
+    from posttrain.rewards.registry import reward_functions
+    from posttrain.trainers.grpo import GRPOSection
 
     section = GRPOSection(rewards={"posttrain.rewards.functions:code_tests": 2.0})
     funcs, weights = reward_functions(section, None)
@@ -160,7 +161,8 @@ def test_code_tests_through_the_reward_config_path():
 
 
 def test_code_tests_by_its_bare_name():
-    from posttrain.trainers.grpo import GRPOSection, reward_functions
+    from posttrain.rewards.registry import reward_functions
+    from posttrain.trainers.grpo import GRPOSection
 
     funcs, _ = reward_functions(GRPOSection(rewards={"code_tests": 1.0}), None)
     assert funcs[0](prompts=["p"], completions=[ADD], tests=[ADD_TESTS]) == [1.0]

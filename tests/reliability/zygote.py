@@ -34,7 +34,7 @@ import posttrain.train.lifecycle as lifecycle
 from posttrain.train.loop import FnHook
 
 for _trainer in posttrain.cli.TRAINERS:
-    posttrain.cli.trainer_classes(_trainer)  # the trainers' modules
+    posttrain.cli.recipe_class(_trainer)  # the trainers' modules
 posttrain.report._plot({"loss": ([1, 2], [1.0, 0.5])}, ["loss"], [], "warm-up", "loss")  # matplotlib and its fonts
 assert not xla_bridge.backends_are_initialized(), "a JAX backend started before fork: the children would share it"
 

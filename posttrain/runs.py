@@ -1,0 +1,103 @@
+"""Finished runs: which recipe wrote a run folder, its trained model, and its exports.
+
+What it is: `run_recipe(run_dir)` (run.json's name; a folder written before run.json existed is
+named by its config's sections), `load_run(run_dir) -> (config, tokenizer, model)` (the recipe's
+`run_model` with `trainable.safetensors` loaded, LoRA adapters still separate),
+`export_run(run_dir, out, dtype, overwrite)` (a Hugging Face folder, LoRA merged; a reward model
+as `*ForSequenceClassification`) and `export_run_gguf(run_dir, path, gguf_type)` (one GGUF file).
+
+What it is not: training (`train.recipe`) or the file formats (`models.hf`, `models.gguf`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import yaml
+from flax import nnx
+
+from posttrain import config as C
+from posttrain.errors import PosttrainError
+from posttrain.models import save_pretrained
+from posttrain.models.hf import canonical_dtype, check_export_target
+from posttrain.models.lora import merge_lora
+from posttrain.train.build import build_tokenizer
+from posttrain.train.lifecycle import RUN_FILE, WEIGHTS
+from posttrain.train.serialize import load_state
+from posttrain.trainers import TRAINERS, guess_recipe, recipe_class
+
+
+def config_recipe(cfg_file: str) -> str:
+    """The recipe a config file is for, by its sections (`trainers.guess_recipe`); an unreadable file is
+    left to `config.load`, which names it with its location."""
+    try:
+        with open(cfg_file) as fh:
+            raw = yaml.safe_load(fh) or {}
+    except (OSError, yaml.YAMLError):
+        return "sft"
+    return guess_recipe(raw) if isinstance(raw, dict) else "sft"
+
+
+def run_recipe(run_dir: str) -> str:
+    """The name of the recipe that wrote `run_dir`: run.json's, else guessed from config.yaml."""
+    path = os.path.join(run_dir, RUN_FILE)
+    if os.path.isfile(path):
+        try:
+            with open(path) as fh:
+                name = json.load(fh).get("recipe")
+        except (OSError, ValueError, AttributeError):
+            name = None
+        if name not in TRAINERS:
+            raise PosttrainError(f"{path}: not a run file of this posttrain (recipe {name!r}); it should read "
+                                 f'{{"recipe": one of {", ".join(TRAINERS)}}}')
+        return name
+    return config_recipe(os.path.join(run_dir, "config.yaml"))
+
+
+def load_run(run_dir: str):
+    """(config, tokenizer, trained model) of a finished run (LoRA adapters still separate)."""
+    cfg_file = os.path.join(run_dir, "config.yaml")
+    if not os.path.isfile(cfg_file):
+        raise PosttrainError(f"{cfg_file}: missing; --run must be a folder written by a posttrain trainer")
+    recipe = recipe_class(run_recipe(run_dir))
+    config = C.load(recipe.config_class, cfg_file)
+    tok = build_tokenizer(config.model)
+    model, trainable = recipe.run_model(config, tok)
+    graphdef, params, rest = nnx.split(model, trainable, ...)
+    params = load_state(os.path.join(run_dir, WEIGHTS), params)
+    return config, tok, nnx.merge(graphdef, params, rest)
+
+
+def _exported(run_dir: str):
+    config, tok, model = load_run(run_dir)
+    model = recipe_class(run_recipe(run_dir)).exported(config, model)
+    if config.lora.enabled:
+        merge_lora(model)
+    return tok, model
+
+
+def export_run(run_dir: str, out: str, dtype: Optional[str] = None, overwrite: bool = False) -> str:
+    """Write a finished run as a Hugging Face folder (LoRA merged into the base weights); a reward
+    model as a `*ForSequenceClassification` folder. `out` may not be the run folder (nor hold it, nor be
+    inside its own files such as checkpoints/); an existing `out` is replaced only when it is empty or a
+    previous export, or with `overwrite` (`models.hf.check_export_target`). Both are checked, and
+    `dtype` read (fp16, bf16, ... accepted), before the run is loaded."""
+    dtype = canonical_dtype(dtype, "--dtype")
+    check_export_target(out, overwrite, run_dir=run_dir)
+    tok, model = _exported(run_dir)
+    return save_pretrained(model, out, tokenizer=tok, dtype=dtype, overwrite=overwrite)
+
+
+def export_run_gguf(run_dir: str, path: str, gguf_type: str = "f32") -> str:
+    """Write a finished run as one GGUF file (LoRA merged, as export_run does); a reward model is refused."""
+    from posttrain.models.gguf import GGUF_TYPES, export_gguf
+
+    if gguf_type not in GGUF_TYPES:
+        raise PosttrainError(f"--gguf-type {gguf_type!r}: use one of {', '.join(GGUF_TYPES)}")
+    if os.path.isfile(os.path.join(run_dir, "config.yaml")) and run_recipe(run_dir) == "rm":
+        raise PosttrainError(f"{run_dir}: a reward model run has a score head, which GGUF cannot hold; export it as "
+                             "a Hugging Face folder with --out")
+    tok, model = _exported(run_dir)
+    return export_gguf(model, tok, path, gguf_type, name=os.path.basename(os.path.abspath(run_dir)))
