@@ -81,7 +81,7 @@ from posttrain.models import Transformer, count_params, preset  # noqa: E402
 from posttrain.plan import KEYS, plan  # noqa: E402
 from posttrain.train import init_state, make_train_step  # noqa: E402
 from posttrain.train.lifecycle import place_batch  # noqa: E402
-from posttrain.train.metrics import model_flops_per_token  # noqa: E402
+from posttrain.plan import flops_per_token  # noqa: E402
 from posttrain.trainers import grpo as grpo_module  # noqa: E402
 from posttrain.train.build import memory_plan  # noqa: E402
 
@@ -208,7 +208,7 @@ def sft(cfg, B, T, steps, reserve, mesh=None, rules=None, mesh_shape=None, prese
     peak = device_stat(peak_devices or jax.devices()[:1], "peak_bytes_in_use")
     res = {"n_params": n_params, "batch": B, "seq": T, "remat": cfg.remat, "param_dtype": cfg.param_dtype,
            "dtype": cfg.dtype, "first_step_s": first, "step_s": med, "step_times": [round(t, 5) for t in times],
-           "tok_s": B * T / med, "flops_per_step": model_flops_per_token(cfg, T) * B * T,
+           "tok_s": B * T / med, "flops_per_step": flops_per_token(cfg, T) * B * T,
            "final_loss": float(m["loss"]), "peak_bytes": peak, "plan": plan_bytes(p),
            "plan_total_bytes": p["total"], "peak_over_plan": None if peak is None else peak / p["total"],
            "mesh_shape": mesh_shape, "sharding_preset": preset_name}

@@ -28,8 +28,9 @@ import optax  # noqa: E402
 import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
 from posttrain.losses import sft_loss  # noqa: E402
 from posttrain.models import count_params, from_pretrained  # noqa: E402
+from posttrain.plan import flops_per_token  # noqa: E402
 from posttrain.train import init_state, make_train_step  # noqa: E402
-from posttrain.train.metrics import measure_peak_flops, model_flops_per_token  # noqa: E402
+from posttrain.train.metrics import measure_peak_flops  # noqa: E402
 
 
 def main():
@@ -63,7 +64,7 @@ def main():
         ts.append((time.perf_counter() - t0) / args.steps)
     s = med(ts)
     peak = measure_peak_flops()
-    flops = model_flops_per_token(model.cfg, T) * B * T
+    flops = flops_per_token(model.cfg, T) * B * T
     res = {"lib": "posttrain", "jax": jax.__version__, "threads": args.threads, "ckpt": ckpt,
            "xla_flags": os.environ.get("XLA_FLAGS", ""), "n_params": count_params(model),
            "shape": dict(batch=B, seq=T), "train_first_step_s_incl_compile": first, "train_step_s": s,

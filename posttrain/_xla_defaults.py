@@ -1,7 +1,7 @@
 """CPU defaults for XLA, applied when posttrain is imported before JAX starts.
 
 YNNPACK fusions off (`--xla_cpu_experimental_ynn_fusion_type=`): measured on the 2-core CPU
-machines +5-20 % training steps and +25-40 % decoding (../shared/PERF_NOTES.md). A value the
+machines +5-20 % training steps and +25-40 % decoding (docs/perf_notes.md). A value the
 user already put in XLA_FLAGS wins; once a JAX backend has started (importing jax alone does
 not start one), XLA_FLAGS is left alone.
 """

@@ -22,13 +22,76 @@ import os
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Literal, TypeVar
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 import yaml
+from annotated_types import Ge, Gt, Interval, Le, Lt
 
 from posttrain.errors import PosttrainError
 
 T = TypeVar("T")
+
+# Bounds of numeric fields, as typing metadata: pydantic checks them when a config is loaded, the JSON
+# Schema shows them (`posttrain schema`: minimum / exclusiveMinimum ...), and `Section.__post_init__`
+# checks them when a section is built in Python. One message for both: "<key>.<field> must be > 0, got 0".
+Positive = Annotated[float, Gt(0)]  # > 0
+NonNegative = Annotated[float, Ge(0)]  # >= 0
+AtLeast1 = Annotated[int, Ge(1)]  # a count of at least one
+Count = Annotated[int, Ge(0)]  # a count, 0 allowed (often "off")
+Probability = Annotated[float, Interval(ge=0, le=1)]  # in [0, 1]
+Rate = Annotated[float, Interval(ge=0, lt=1)]  # in [0, 1)
+Seed = Annotated[int, Interval(ge=0, lt=2**32)]  # a PRNG / shuffle seed
+
+
+def _limits(metadata) -> dict:
+    """{"gt"/"ge"/"lt"/"le": bound} of a field's annotated_types metadata."""
+    out = {}
+    for m in metadata:
+        for name in ("gt", "ge", "lt", "le"):
+            if getattr(m, name, None) is not None and isinstance(m, (Gt, Ge, Lt, Le, Interval)):
+                out[name] = getattr(m, name)
+    return out
+
+
+def bound_text(limits: dict) -> str:
+    """'> 0', '>= 1', 'in [0, 1)', ... for `_limits`' dict."""
+    show = lambda v: "2**32" if v == 2**32 else repr(v)  # noqa: E731
+    lo = ("(", limits["gt"]) if "gt" in limits else ("[", limits["ge"]) if "ge" in limits else None
+    hi = (")", limits["lt"]) if "lt" in limits else ("]", limits["le"]) if "le" in limits else None
+    if lo and hi:
+        return f"in {lo[0]}{show(lo[1])}, {show(hi[1])}{hi[0]}"
+    if lo:
+        return f"{'>' if lo[0] == '(' else '>='} {show(lo[1])}"
+    return f"{'<' if hi[0] == ')' else '<='} {show(hi[1])}"
+
+
+def _within(limits: dict, v) -> bool:
+    ok = [v > limits["gt"] if "gt" in limits else True, v >= limits["ge"] if "ge" in limits else True,
+          v < limits["lt"] if "lt" in limits else True, v <= limits["le"] if "le" in limits else True]
+    return all(ok)  # NaN compares false: out of every bound
+
+
+def field_limits(cls, name: str) -> tuple[dict, bool]:
+    """(limits, optional) of field `name` of config dataclass `cls` (empty limits: unbounded)."""
+    hint = typing.get_type_hints(cls, include_extras=True)[name]
+    inner = _optional_arg(hint)
+    optional, hint = inner is not None, inner if inner is not None else hint
+    return (_limits(hint.__metadata__) if typing.get_origin(hint) is Annotated else {}), optional
+
+
+class Section:
+    """Base of the config sections: `__post_init__` checks every bounded field (see `Positive`, ...);
+    `key` is the section's name in a config file (errors say `<key>.<field>`)."""
+
+    key: ClassVar[str] = ""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            limits, optional = field_limits(type(self), f.name)
+            value = getattr(self, f.name)
+            if limits and not (value is None and optional) and not _within(limits, value):
+                raise PosttrainError(f"{self.key}.{f.name} must be {bound_text(limits)}"
+                                     f"{' or null' if optional else ''}, got {value}")
 
 # ----------------------------------------------------------------------------- loading rules (pydantic)
 
@@ -115,6 +178,12 @@ def _error(tp, errors: list[dict], data, where: str, key: str) -> PosttrainError
     if "error" in errors[0].get("ctx", {}):  # a ValueError / assert in a __post_init__: its own words
         return PosttrainError(f"{where}: {errors[0]['ctx']['error']}")
     loc = errors[0]["loc"]
+    if errors[0]["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        dotted, _ = _walk(tp, loc, key)  # a bound of the field's type: the message Section gives
+        parent = _walk(tp, loc[:-1], key)[1]
+        limits, optional = field_limits(parent, loc[-1])
+        return PosttrainError(f"{where}: {dotted} must be {bound_text(limits)}{' or null' if optional else ''}, "
+                              f"got {_at(data, loc)}")
     if "[key]" in loc:  # a mapping key of the wrong type (pydantic's location: KEY, '[key]'): blame the mapping
         loc = loc[:loc.index("[key]") - 1]
     dotted, expected = _walk(tp, loc, key)
@@ -303,7 +372,9 @@ def save(obj, path: str | os.PathLike) -> None:
 # ----------------------------------------------------------------------------- shared sections
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelSection:
+class ModelSection(Section):
+    key = "model"
+
     path: str | None = None  # local HF checkpoint folder (config.json + safetensors); default None
     preset: str | None = None  # or a named preset, randomly initialised (tests, demo); default None
     tokenizer: str | None = None  # folder; None = model path, or the byte tokenizer with a preset
@@ -311,12 +382,13 @@ class ModelSection:
     # activation dtype; None = dtype, "bfloat16" for mixed precision
     compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     remat: bool = False  # rematerialise each layer in the backward pass (less memory, ~30% more compute)
-    seed: int = 0  # PRNG seed for preset initialisation; default 0
+    seed: Seed = 0  # PRNG seed for preset initialisation; default 0
     # model.path is a multimodal Gemma 4 folder (model_type gemma4): load its text model only (the
     # vision and audio towers are not supported); default false
     text_only: bool = False
 
     def __post_init__(self):
+        super().__post_init__()
         if (self.path is None) == (self.preset is None):
             got = "both" if self.path is not None else "neither"
             raise PosttrainError(f"set exactly one of model.path (a local HF checkpoint folder) or "
@@ -324,10 +396,12 @@ class ModelSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DataSection:
+class DataSection(Section):
+    key = "data"
+
     train: str  # training data: .jsonl, .parquet or a datasets.save_to_disk folder (required)
     eval: str | None = None  # held-out data in the same formats; None = no evaluation set
-    max_length: int = 512  # tokens per sequence (and per packed row); default 512
+    max_length: Annotated[int, Ge(2)] = 512  # tokens per sequence (and per packed row); default 512
     # What to do with rows longer than max_length: raise, keep the first / last tokens, or skip the row.
     truncation: Literal["error", "keep_start", "keep_end", "drop"] = "error"
     packing: bool = False  # concatenate short rows into max_length rows (no cross-row attention)
@@ -335,20 +409,17 @@ class DataSection:
     assistant_only_loss: bool = True  # chat rows: loss on assistant turns only
     skip_bad_rows: bool = False  # skip malformed rows with a warning instead of raising
     shuffle: bool = True  # shuffle rows every epoch; default true
-    seed: int = 0  # shuffle seed; default 0
+    seed: Seed = 0  # shuffle seed; default 0
 
-    def __post_init__(self):
-        if self.max_length < 2:
-            raise PosttrainError(f"data.max_length must be >= 2, got {self.max_length}")
-        if not 0 <= self.seed < 2**32:
-            raise PosttrainError(f"data.seed must be in [0, 2**32), got {self.seed}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PreferenceDataSection:
+class PreferenceDataSection(Section):
+    key = "data"
+
     train: str  # preference pairs: .jsonl, .parquet or a save_to_disk folder (TRL formats; required)
     eval: str | None = None  # held-out pairs in the same formats; None = no evaluation set
-    max_length: int = 512  # tokens of the prompt + the longer answer (TRL's meaning); default 512
+    max_length: Annotated[int, Ge(2)] = 512  # tokens of the prompt + the longer answer (TRL's meaning); default 512
     # with truncation=truncate: keep only the prompt's last tokens; None = the whole prompt
     max_prompt_length: int | None = None
     # Pairs longer than max_length: raise naming the row, truncate (prompt from the start, answers
@@ -356,125 +427,102 @@ class PreferenceDataSection:
     truncation: Literal["error", "truncate", "drop"] = "error"
     skip_bad_rows: bool = False  # skip malformed rows (counted, one warning) instead of raising
     shuffle: bool = True  # shuffle pairs every epoch; default true
-    seed: int = 0  # shuffle seed; default 0
+    seed: Seed = 0  # shuffle seed; default 0
 
     def __post_init__(self):
-        if self.max_length < 2:
-            raise PosttrainError(f"data.max_length must be >= 2, got {self.max_length}")
+        super().__post_init__()
         if self.max_prompt_length is not None and not 1 <= self.max_prompt_length < self.max_length:
             raise PosttrainError(f"data.max_prompt_length must be in [1, max_length={self.max_length}), got "
                                  f"{self.max_prompt_length}")
-        if not 0 <= self.seed < 2**32:
-            raise PosttrainError(f"data.seed must be in [0, 2**32), got {self.seed}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PromptDataSection:
+class PromptDataSection(Section):
+    key = "data"
+
     train: str  # prompt rows: {"prompt": str | [messages], other columns...} (.jsonl, .parquet, folder)
-    max_prompt_length: int = 256  # the sampler's prompt budget in tokens; longer prompts are row errors
+    max_prompt_length: AtLeast1 = 256  # the sampler's prompt budget in tokens; longer prompts are row errors
     skip_bad_rows: bool = False  # skip (and count) bad rows instead of raising
     shuffle: bool = True  # shuffle the prompt stream every epoch
-    seed: int = 0  # shuffle seed
+    seed: Seed = 0  # shuffle seed
 
-    def __post_init__(self):
-        if self.max_prompt_length < 1:
-            raise PosttrainError(f"data.max_prompt_length must be >= 1, got {self.max_prompt_length}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OptimSection:
-    lr: float = 1e-5  # peak learning rate (after warmup); default 1e-5
+class OptimSection(Section):
+    key = "optim"
+
+    lr: Positive = 1e-5  # peak learning rate (after warmup); default 1e-5
     schedule: Literal["constant", "linear", "cosine"] = "cosine"  # decay after warmup; default cosine
-    warmup_steps: int = 0  # optimizer steps of linear warmup from 0 to lr; default 0
-    min_lr_ratio: float = 0.0  # final lr as a fraction of lr for linear/cosine decay; default 0.0
-    weight_decay: float = 0.0  # decoupled (AdamW) weight decay per step, times lr; default 0.0
-    beta1: float = 0.9  # Adam first-moment decay; default 0.9
-    beta2: float = 0.999  # Adam second-moment decay; default 0.999
-    eps: float = 1e-8  # Adam denominator epsilon; default 1e-8
-    max_grad_norm: float | None = 1.0  # global-norm gradient clipping; None = off; default 1.0
+    warmup_steps: Count = 0  # optimizer steps of linear warmup from 0 to lr; default 0
+    min_lr_ratio: Probability = 0.0  # final lr as a fraction of lr for linear/cosine decay; default 0.0
+    weight_decay: NonNegative = 0.0  # decoupled (AdamW) weight decay per step, times lr; default 0.0
+    beta1: Rate = 0.9  # Adam first-moment decay; default 0.9
+    beta2: Rate = 0.999  # Adam second-moment decay; default 0.999
+    eps: Positive = 1e-8  # Adam denominator epsilon; default 1e-8
+    max_grad_norm: Positive | None = 1.0  # global-norm gradient clipping; None = off; default 1.0
 
-    def __post_init__(self):
-        if not self.lr > 0:  # `not >` also rejects NaN
-            raise PosttrainError(f"optim.lr must be > 0, got {self.lr}")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise PosttrainError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.warmup_steps < 0:
-            raise PosttrainError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise PosttrainError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
-            raise PosttrainError(f"optim.max_grad_norm must be > 0 or null (off), got {self.max_grad_norm}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LoraSection:
+class LoraSection(Section):
+    key = "lora"
+
     enabled: bool = False  # train low-rank adapters instead of all weights; default false
-    rank: int = 8  # adapter rank r; default 8
-    alpha: float = 16.0  # scaling numerator: update = (alpha / rank) * B @ A; default 16.0
-    dropout: float = 0.0  # dropout probability on the adapter input; default 0.0
+    rank: AtLeast1 = 8  # adapter rank r; default 8
+    alpha: Positive = 16.0  # scaling numerator: update = (alpha / rank) * B @ A; default 16.0
+    dropout: Rate = 0.0  # dropout probability on the adapter input; default 0.0
     # Projection names to adapt, each matched by regex search against parameter paths.
     targets: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
 
-    def __post_init__(self):
-        if self.rank < 1:
-            raise PosttrainError(f"lora.rank must be >= 1, got {self.rank}")
-        if not 0 <= self.dropout < 1:
-            raise PosttrainError(f"lora.dropout must be in [0, 1), got {self.dropout}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainSection:
-    steps: int = 100  # optimizer steps; default 100
-    batch_size: int = 8  # sequences per optimizer step (global, across devices); default 8
-    micro_batch_size: int | None = None  # sequences per forward/backward; None = batch_size
-    log_every: int = 10  # steps between metric logs; default 10
-    eval_every: int = 0  # steps between evaluations; 0 = off; default 0
-    seed: int = 0  # PRNG seed for dropout and sampling; default 0
-    max_nonfinite: int = 3  # halt after this many non-finite (NaN/Inf) steps in a row; each is skipped
+class TrainSection(Section):
+    key = "train"
+
+    steps: AtLeast1 = 100  # optimizer steps; default 100
+    batch_size: AtLeast1 = 8  # sequences per optimizer step (global, across devices); default 8
+    micro_batch_size: AtLeast1 | None = None  # sequences per forward/backward; None = batch_size
+    log_every: Count = 10  # steps between metric logs; default 10
+    eval_every: Count = 0  # steps between evaluations; 0 = off; default 0
+    seed: Seed = 0  # PRNG seed for dropout and sampling; default 0
+    max_nonfinite: AtLeast1 = 3  # halt after this many non-finite (NaN/Inf) steps in a row; each is skipped
 
     def __post_init__(self):
-        for name in ("steps", "batch_size"):
-            if getattr(self, name) < 1:
-                raise PosttrainError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_nonfinite < 1:
-            raise PosttrainError(f"train.max_nonfinite must be >= 1, got {self.max_nonfinite}")
-        for name in ("log_every", "eval_every"):
-            if getattr(self, name) < 0:
-                raise PosttrainError(f"train.{name} must be >= 0 (0 = off), got {getattr(self, name)}")
+        super().__post_init__()
         micro = self.micro_batch_size
-        if micro is not None and (micro < 1 or self.batch_size % micro):
+        if micro is not None and self.batch_size % micro:
             raise PosttrainError(f"train.micro_batch_size ({micro}) must divide train.batch_size "
                                  f"({self.batch_size}) evenly: gradients are accumulated over "
                                  f"batch_size / micro_batch_size steps")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CheckpointSection:
-    every: int = 0  # steps between checkpoints; 0 = only at the end; default 0
-    keep: int = 2  # newest checkpoints kept on disk; default 2
+class CheckpointSection(Section):
+    key = "checkpoint"
+
+    every: Count = 0  # steps between checkpoints; 0 = only at the end; default 0
+    keep: AtLeast1 = 2  # newest checkpoints kept on disk; default 2
     async_save: bool = True  # write checkpoints in the background while training continues
     resume: bool = True  # re-running the same command continues from the latest valid checkpoint
 
-    def __post_init__(self):
-        if self.every < 0:
-            raise PosttrainError(f"checkpoint.every must be >= 0 (0 = only at the end), got {self.every}")
-        if self.keep < 1:
-            raise PosttrainError(f"checkpoint.keep must be >= 1, got {self.keep}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MetricsSection:
+class MetricsSection(Section):
+    key = "metrics"
+
     # Where metrics go: any of console, jsonl, tensorboard, prometheus, wandb (pip install 'posttrain[wandb]').
     sinks: tuple[Literal["console", "jsonl", "tensorboard", "prometheus", "wandb"], ...] = ("console", "jsonl")
     prometheus_host: str = "127.0.0.1"  # the exporter binds here (loopback unless you change it)
-    prometheus_port: int = 9400  # HTTP port of the Prometheus exporter; 0 = pick a free port
+    # HTTP port of the Prometheus exporter; 0 = pick a free port
+    prometheus_port: Annotated[int, Interval(ge=0, le=65535)] = 9400
     wandb_project: str = "posttrain"  # W&B project of the wandb sink; its run name = the run folder's name
-    peak_flops: float | None = None  # per-device peak FLOP/s for MFU; None = measured once on CPU
+    peak_flops: Positive | None = None  # per-device peak FLOP/s for MFU; None = measured once on CPU
 
     def __post_init__(self):
-        if not 0 <= self.prometheus_port < 65536:
-            raise PosttrainError(f"metrics.prometheus_port must be in [0, 65535], got {self.prometheus_port}")
+        super().__post_init__()
         import importlib.util
 
         if "wandb" in self.sinks and importlib.util.find_spec("wandb") is None:  # fail before training, not after
@@ -483,23 +531,25 @@ class MetricsSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ProfileSection:
-    start_step: int = 0  # first profiled step; 0 = profiler off
-    num_steps: int = 3  # steps traced into <run_dir>/profile
+class ProfileSection(Section):
+    key = "profile"
 
-    def __post_init__(self):
-        if self.start_step < 0 or self.num_steps < 1:
-            raise PosttrainError("profile.start_step must be >= 0 and profile.num_steps >= 1")
+    start_step: Count = 0  # first profiled step; 0 = profiler off
+    num_steps: AtLeast1 = 3  # steps traced into <run_dir>/profile
+
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ShardingSection:
+class ShardingSection(Section):
+    key = "sharding"
+
     # Mesh preset over all devices: dp | fsdp | tp | fsdp_tp; None = one device, no mesh.
     preset: Literal["dp", "fsdp", "tp", "fsdp_tp"] | None = None
     # Explicit axis sizes, e.g. {data: 2, fsdp: 2, tensor: 2}; None = the preset's default layout.
     mesh_shape: dict[str, int] | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         if self.mesh_shape is not None:
             bad = set(self.mesh_shape) - {"data", "fsdp", "tensor"}
             if bad:

@@ -118,6 +118,27 @@ def _mlp_activations(cfg: ModelConfig, i: int, t: int) -> int:
     return experts + (dense + 3 * cfg.embed_dim if cfg.moe_beside_mlp else 0)  # Gemma 4: + its own norms
 
 
+def layer_flops(cfg: ModelConfig, i: int, seq_len: int) -> int:
+    """Forward matmul FLOPs per token of layer i (what MFU counts): q / k / v / output projections (the
+    layer's own head size, KV heads and KV slots), attention against `seq_len` keys (QK^T and PV; causal
+    masking and windows ignored, the PaLM convention), the dense MLP (its own width) and, on a sparse
+    layer, the top-k experts and the router."""
+    D, N, H = cfg.embed_dim, cfg.num_heads, cfg.layer_head_dim(i)
+    proj = D * (N + cfg.layer_kv_heads(i) * cfg.layer_kv_slots(i)) * H + N * H * D
+    mlp = 0 if cfg.is_moe_layer(i) and not cfg.moe_beside_mlp else 3 * D * cfg.layer_mlp_dim(i)
+    if cfg.is_moe_layer(i):
+        mlp += cfg.experts_per_token * 3 * D * cfg.expert_mlp_dim + D * cfg.num_experts
+    return 2 * (proj + mlp) + 2 * 2 * N * H * seq_len
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int, *, training: bool = True) -> float:
+    """Matmul FLOPs per token of the whole model: every layer's `layer_flops` plus the LM head (2·D·V),
+    times 3 when training (the backward costs twice the forward)."""
+    forward = float(sum(layer_flops(cfg, i, seq_len) for i in range(cfg.num_layers)) + 2 * cfg.embed_dim
+                    * cfg.vocab_size)
+    return 3 * forward if training else forward
+
+
 def _kv_bytes(cfg: ModelConfig, i: int, rules: dict, sizes: dict) -> int:
     """One device's KV-cache bytes per cached token of layer i (KV-shared layers have none: not asked)."""
     K = cfg.layer_kv_heads(i)

@@ -2,38 +2,67 @@
 
 What it is: `json_schema(cls)` is pydantic's JSON Schema (draft 2020-12) of a config dataclass,
 the model `config.from_dict` validates with (types, Literal choices, required keys), plus what
-pydantic does not know: no unknown keys, each field's comment in the source as its description,
-and nested sections inline; `pipeline_schema()` is the schema of a `posttrain run` file (each
-stage: `task`, `name`, `config` and that trainer's keys); `write_schemas(out)` writes one file per
+pydantic does not know: no unknown keys, each field's comment in the source (at the end of its
+line, or the lines right above it) as its description, and nested sections inline; the bounds of
+numeric fields (`config.Positive`, ... : minimum, exclusiveMinimum, ...) come from pydantic;
+`pipeline_schema()` is the schema of a `posttrain run` file (each stage: `task`, `name`, `config` and
+that trainer's keys); `write_schemas(out)` writes one file per
 trainer plus `pipeline.schema.json`. With the YAML language server (VS Code's YAML extension) a
 first line `# yaml-language-server: $schema=PATH` in a config file turns it on.
 
 What it is not: the validator posttrain runs (that is `config.from_dict`, which also checks the
-invariants in `__post_init__`, e.g. exactly one of model.path and model.preset).
+invariants between fields in `__post_init__`, e.g. exactly one of model.path and model.preset).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import io
 import json
 import os
 import re
+import tokenize
 
 import pydantic
 from pydantic.json_schema import GenerateJsonSchema
 
 from posttrain import config as C
 
-_COMMENT = re.compile(r"^\s+(\w+)\s*:[^#]*#\s*(.+)$")
+_FIELD = re.compile(r"^(\s+)(\w+)\s*:")
 
 
 def _descriptions(cls) -> dict[str, str]:
-    """field name -> its trailing comment in the class source."""
+    """field name -> its comment in the class source: the comment at the end of its line, else the comment
+    lines right above it (for fields whose type and default fill the line)."""
     try:
-        src = inspect.getsource(cls)
+        lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):
         return {}
-    return {m.group(1): m.group(2).strip() for m in map(_COMMENT.match, src.splitlines()) if m}
+    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    out, above = {}, []
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped[1:].strip())
+            continue
+        m = _FIELD.match(line)
+        if m and m.group(2) in names:
+            trailing = _trailing_comment(line)
+            note = trailing or " ".join(above)
+            if note:
+                out[m.group(2)] = note
+        above = []
+    return out
+
+
+def _trailing_comment(line: str) -> str:
+    """The `# ...` comment ending a line of code (not a # inside a string), or ''."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline))
+    except (tokenize.TokenError, SyntaxError):
+        return ""
+    return next((t.string[1:].strip() for t in tokens if t.type == tokenize.COMMENT), "")
 
 
 class _Generator(GenerateJsonSchema):

@@ -231,7 +231,7 @@ def test_calculator_episodes_from_the_config_sections():
     ({"env.max_turns": 0}, "env.max_turns must be >= 1"),
     ({"tools.names": ["abacus"]}, "unknown tool 'abacus'"),
     ({"env.verifier": "nope"}, "unknown verifier 'nope'"),
-    ({"tools.python.timeout_s": 0}, "tools.python: timeout_s"),
+    ({"tools.python.timeout_s": 0}, "tools.python.timeout_s must be > 0"),
     ({"env.format": "mistral"}, "'env.format' must be one of"),
     ({"env.enabled": True, "grpo.dynamic_sampling": True}, "not supported with env.enabled"),
 ])

@@ -14,6 +14,7 @@ import pytest
 
 from posttrain.config import MetricsSection
 from posttrain.models import ModelConfig
+from posttrain.plan import flops_per_token
 from posttrain.train import metrics as M
 
 
@@ -139,9 +140,19 @@ def test_model_flops_per_token_by_hand():
     # Per layer: q 8*2*4=64, k 32, v 32, o 2*4*8=64, gate/up/down 3*8*16=384 -> 576 weights.
     # Two layers 1152 + LM head 8*32=256 -> 1408 matmul weights -> 2816 FLOPs.
     # Attention at seq 10: 2 (QK^T, PV) * 2 * heads 2 * head_dim 4 * 10 keys * 2 layers = 640.
-    assert M.model_flops_per_token(cfg, 10, training=False) == 2816 + 640
-    assert M.model_flops_per_token(cfg, 10) == 3 * (2816 + 640)
+    assert flops_per_token(cfg, 10, training=False) == 2816 + 640
+    assert flops_per_token(cfg, 10) == 3 * (2816 + 640)
     assert M.mfu(100.0, 3456.0, 3456.0 * 400, num_devices=2) == pytest.approx(0.125)
+
+
+def test_moe_flops_count_the_routed_experts_not_the_dense_width():
+    """The MFU cost model is plan's per-layer one: a sparse layer runs its top-k experts and the router
+    instead of the dense MLP (mlp_dim); a dense layer (dense_layers) keeps the dense MLP."""
+    cfg = ModelConfig(vocab_size=32, embed_dim=8, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
+                      mlp_dim=16, num_experts=4, experts_per_token=2, expert_mlp_dim=6, dense_layers=(1,))
+    # Layer 0 (sparse): projections 192 + top-2 experts 2*3*8*6=288 + router 8*4=32 -> 512 weights.
+    # Layer 1 (dense): 192 + 384 = 576. LM head 256. Matmuls 2 * 1344 = 2688; attention at seq 10: 640.
+    assert flops_per_token(cfg, 10, training=False) == 2688 + 640
 
 
 def test_peak_flops():

@@ -53,3 +53,46 @@ def test_pipeline_schema_checks_each_stage_with_its_trainer(schemas):
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schemas["pipeline"])
     assert schemas["grpo"]["properties"]["grpo"]["properties"]["num_generations"]["description"]  # from the source
+
+
+def _properties(schema, where=""):
+    """(dotted key, property schema) of every key, nested sections included."""
+    for name, prop in schema.get("properties", {}).items():
+        yield f"{where}{name}", prop
+        for option in [prop, *prop.get("anyOf", [])]:
+            if option.get("type") == "object" and "properties" in option:
+                yield from _properties(option, f"{where}{name}.")
+
+
+@pytest.mark.parametrize("name", ["sft", "dpo", "rm", "grpo", "ppo", "distill"])
+def test_every_key_has_a_description(schemas, name):
+    keys = list(_properties(schemas[name]))
+    assert len(keys) > 40
+    assert [k for k, p in keys if not p.get("description")] == []
+
+
+def test_schema_shows_the_bounds(schemas):
+    props = dict(_properties(schemas["grpo"]))
+    assert props["optim.lr"]["exclusiveMinimum"] == 0
+    assert props["train.steps"]["minimum"] == 1
+    assert props["grpo.num_generations"]["minimum"] == 2
+    assert props["optim.beta2"]["minimum"] == 0 and props["optim.beta2"]["exclusiveMaximum"] == 1
+    assert props["lora.dropout"]["exclusiveMaximum"] == 1
+    micro = props["train.micro_batch_size"]["anyOf"]  # Optional: the bound on the number branch
+    assert {"minimum": 1, "type": "integer"} in micro
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.lr=0", "optim.lr must be > 0, got 0"),
+    ("optim.beta2=1.0", "optim.beta2 must be in [0, 1), got 1.0"),
+    ("train.micro_batch_size=0", "train.micro_batch_size must be >= 1 or null, got 0"),
+    ("grpo.num_generations=1", "grpo.num_generations must be >= 2, got 1"),
+])
+def test_a_value_out_of_bounds_names_the_key_and_the_bound(override, message):
+    from posttrain import config as C
+    from posttrain.errors import PosttrainError
+    from posttrain.trainers.grpo import GRPOConfig
+
+    with pytest.raises(PosttrainError) as err:
+        C.load(GRPOConfig, None, ["model.preset=tiny", "data.train=t.jsonl", override])
+    assert str(err.value) == f"command line: {message}"

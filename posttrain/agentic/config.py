@@ -23,6 +23,7 @@ import dataclasses
 import importlib
 from typing import Callable, Literal, Optional
 
+from posttrain import config as C
 from posttrain.agentic.env import ToolEnv
 from posttrain.agentic.tools import TOOLS, Tool, make_tools
 from posttrain.errors import PosttrainError
@@ -30,42 +31,42 @@ from posttrain.sandbox import MODES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EnvSection:
+class EnvSection(C.Section):
     """Multi-turn episodes with tool calls (posttrain/agentic); off unless enabled."""
+
+    key = "env"
 
     enabled: bool = False  # episodes: the model calls tools, their outputs are appended, the last action is scored
     verifier: str = "answer"  # episode reward: "answer" (final `#### N` = the row's answer) or "module:function"
     format: Literal["hermes", "llama3", "gemma"] = "hermes"  # the tool-call format the model writes
-    max_turns: int = 3  # actions per episode at most (the last is scored whatever it is)
-    max_tokens: int = 256  # tokens after the prompt: actions + tool outputs (grpo.max_new_tokens bounds one action)
-    tool_workers: int = 4  # threads that run one round's tool calls
+    max_turns: C.AtLeast1 = 3  # actions per episode at most (the last is scored whatever it is)
+    # tokens after the prompt: actions + tool outputs (grpo.max_new_tokens bounds one action)
+    max_tokens: C.AtLeast1 = 256
+    tool_workers: C.AtLeast1 = 4  # threads that run one round's tool calls
 
     def __post_init__(self):
-        if self.max_turns < 1:
-            raise PosttrainError(f"env.max_turns must be >= 1, got {self.max_turns}")
-        if self.max_tokens < 1 or self.tool_workers < 1:
-            raise PosttrainError(f"env.max_tokens and env.tool_workers must be >= 1, got {self.max_tokens} and "
-                                 f"{self.tool_workers}")
+        super().__post_init__()
         if self.verifier != "answer" and ":" not in self.verifier:
             raise PosttrainError(f"env.verifier: unknown verifier {self.verifier!r}; use 'answer' or "
                                  "'package.module:function'")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PythonToolSection:
+class PythonToolSection(C.Section):
     """Limits of the python tool (a sandboxed subprocess; see posttrain/agentic/tools.py)."""
 
-    timeout_s: float = 5.0  # wall-clock seconds before the process group is killed
-    memory_mb: int = 512  # address-space limit of the child in MB
-    cpu_s: Optional[int] = None  # CPU-seconds limit; null: ceil(timeout_s) + 1
-    max_output_chars: int = 2000  # stdout + stderr characters returned to the model
-    max_file_mb: int = 16  # the largest file the child may write, in MB
-    max_open_files: int = 64  # open file descriptors of the child
+    key = "tools.python"
+
+    timeout_s: C.Positive = 5.0  # wall-clock seconds before the process group is killed
+    memory_mb: C.AtLeast1 = 512  # address-space limit of the child in MB
+    cpu_s: Optional[C.AtLeast1] = None  # CPU-seconds limit; null: ceil(timeout_s) + 1
+    max_output_chars: C.AtLeast1 = 2000  # stdout + stderr characters returned to the model
+    max_file_mb: C.AtLeast1 = 16  # the largest file the child may write, in MB
+    max_open_files: C.AtLeast1 = 64  # open file descriptors of the child
     sandbox: str = "auto"  # the boundary: auto (bwrap, else a fresh uid as root), bwrap, uid, unsafe_inprocess_guard
 
     def __post_init__(self):
-        if not (self.timeout_s > 0 and self.memory_mb > 0 and self.max_output_chars > 0 and self.max_file_mb > 0):
-            raise PosttrainError("tools.python: timeout_s, memory_mb, max_output_chars and max_file_mb must be > 0")
+        super().__post_init__()
         if self.sandbox not in MODES:
             raise PosttrainError(f"tools.python.sandbox: unknown mode {self.sandbox!r}; use one of {', '.join(MODES)}")
 

@@ -4,7 +4,7 @@ What it is: the sampler for `posttrain generate` and for RL rollouts. It runs th
 model code, so its log-probabilities equal the trainer's on the same tokens.
 What it is not: a server or a continuous-batching engine.
 
-How it is fast (../shared/PERF_NOTES.md): prompts are left-padded to a length bucket, so calls
+How it is fast (docs/perf_notes.md): prompts are left-padded to a length bucket, so calls
 whose prompts share a bucket reuse one compiled prefill and decode; `n` samples of a prompt
 share one prefill (its cache is repeated n times on device); the decode loop, sampling
 included, is a `lax.while_loop` that exits early once every row has stopped; the cache is

@@ -304,7 +304,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-student": ModelConfig(
         family="llama", vocab_size=263, embed_dim=64, num_layers=2, num_heads=2, num_kv_heads=2,
         head_dim=32, mlp_dim=256, max_position=512, rope=RopeConfig(theta=10_000.0)),
-    # The anchor benchmark shape (../shared/anchors): a tiny Llama 3.
+    # The shape of the peers' benchmark checkpoint (benchmarks/bench.sh, docs/benchmarks.md): a tiny Llama 3.
     "tiny-llama": ModelConfig(
         family="llama", vocab_size=2048, embed_dim=256, num_layers=4, num_heads=4, num_kv_heads=4,
         head_dim=64, mlp_dim=1024, max_position=1024, rope=RopeConfig(theta=500_000.0)),

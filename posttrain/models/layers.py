@@ -13,7 +13,7 @@ transformer.py (both import it).
 Einsum legend: B batch, T query length, S key length, D embed, N query heads, K kv heads,
 G query heads per kv head (N = K * G), H head dim, F mlp, V vocab.
 
-Layout choices (../shared/PERF_NOTES.md): q, k and v come from ONE fused projection laid out
+Layout choices (docs/perf_notes.md): q, k and v come from ONE fused projection laid out
 [D, K, G + 2, H] (per kv head: its G query heads, then k, then v; G + 1 without v when keys are
 values, G for a KV-shared layer, which projects queries only), so GQA needs no repeat and
 the kv-head axis shards cleanly for tensor parallelism; gate and up are one [D, 2, F]

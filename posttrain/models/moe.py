@@ -27,10 +27,12 @@ Router losses (what `train/step.py` adds to every trainer's loss, scaled by the 
     aux = E * sum_e f_e * P_e, f_e = share of (token, layer) pairs whose top-k holds e,
     P_e = mean router probability of e;
   z-loss (ST-MoE, arXiv 2202.08906): the mean over (token, layer) of logsumexp(logits)^2.
-`collect_router(model)` is the side channel: while it is active, every Transformer inside `model`
-records its router statistics at trace time (no state change, nothing when no MoE layer ran),
-and `router_loss` turns them into (aux total, metrics). Losses that call the policy inside their
-own `jax` transform (scan / checkpoint around the forward) would leak tracers: none does.
+The statistics reach the step as data on the model: the step gives every MoE Transformer inside the
+model it trains an empty `RouterStats` variable (`collect_router(model)`), each forward of that
+Transformer appends its MoE layers' statistics to it (`sow_router`: hits, probabilities, z, token
+count, summed over layers and real tokens), and the step pops them (`router_loss(model)`) into (aux
+total, metrics). A Transformer without the variable (a frozen reference, the adapters-off view, any
+forward outside a train step) computes and keeps nothing.
 
 What it is not: expert parallelism with token exchange (the `expert` axis of `sharding.py`
 splits the expert weights; the grouped products are left to XLA's partitioner), capacity
@@ -39,7 +41,6 @@ factors or token dropping, shared experts (Qwen2-MoE, DeepSeek), LoRA on the exp
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Sequence
 
 import jax
@@ -233,50 +234,40 @@ def z_loss(router_logits, mask: Optional[jax.Array] = None):
 # ------------------------------------------------------------------------------------------ step hook
 
 
-class RouterSink:
-    """Router statistics recorded by the Transformers inside one model during one loss call."""
-
-    def __init__(self, model):
-        # Every module inside `model`: only a Transformer calls `record`, so this admits exactly the
-        # Transformers inside it (no isinstance check, so this module need not import transformer.py).
-        self.owners = {id(m) for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Module)}
-        self.records: list = []  # (cfg, stats)
-
-    def record(self, owner, router_logits, valid) -> None:
-        if id(owner) in self.owners and router_logits:
-            self.records.append((owner.cfg, _stats(router_logits, valid, owner.cfg.experts_per_token)))
+class RouterStats(nnx.Intermediate):
+    """The router statistics of one train step's forwards of a Transformer (a tuple, one entry a forward)."""
 
 
-_SINKS: list[RouterSink] = []
+def collect_router(model) -> None:
+    """Give every MoE Transformer inside `model` an empty `RouterStats` (the train step, before its loss)."""
+    for _, m in nnx.iter_modules(model):
+        if getattr(getattr(m, "cfg", None), "num_experts", 0) and callable(getattr(m, "rope_tables", None)):
+            m.router_stats = RouterStats(())
 
 
-@contextlib.contextmanager
-def collect_router(model):
-    """While active, the Transformers inside `model` record their router statistics (see module doc)."""
-    sink = RouterSink(model)
-    _SINKS.append(sink)
-    try:
-        yield sink
-    finally:
-        _SINKS.remove(sink)
+def sow_router(owner, router_logits, valid) -> None:
+    """Called by `Transformer.__call__` (no cache) with its MoE layers' router logits and real-token mask:
+    appends their statistics to the owner's `RouterStats` when the step gave it one; else nothing."""
+    stats = getattr(owner, "router_stats", None)
+    if router_logits and isinstance(stats, RouterStats):
+        stats.set_value(stats.get_value() + (_stats(router_logits, valid, owner.cfg.experts_per_token),))
 
 
-def record(owner, router_logits, valid) -> None:
-    """Called by `Transformer.__call__` (no cache) with its MoE layers' router logits and real-token mask."""
-    for sink in _SINKS:
-        sink.record(owner, router_logits, valid)
-
-
-def router_loss(sink: RouterSink):
-    """(coef-weighted aux + z losses, metrics) of everything `sink` recorded; None when nothing was routed.
+def router_loss(model):
+    """(coef-weighted aux + z losses, metrics) of the `RouterStats` the forwards of `model`'s Transformers
+    appended since `collect_router(model)`, which this removes; None when nothing was routed.
 
     Metrics: router_aux_loss, router_z_loss (unweighted) and expert_load_<e>: expert e's share of
     the (token, slot) assignments times E (1.0 everywhere = perfectly balanced), per model of the sink.
     """
-    if not sink.records:
+    modules = dict(nnx.iter_modules(model))
+    records = []
+    for path, var in nnx.to_flat_state(nnx.pop(model, RouterStats)):  # path: the Transformer's, "router_stats"
+        records += [(modules[tuple(path[:-1])].cfg, st) for st in var.get_value()]  # one per forward
+    if not records:
         return None
     by_cfg: dict = {}
-    for cfg, st in sink.records:  # several forwards of one model: pool their tokens (one concatenated batch)
+    for cfg, st in records:  # several forwards of one model: pool their tokens (one concatenated batch)
         prev = by_cfg.get(cfg)
         by_cfg[cfg] = st if prev is None else jax.tree.map(jnp.add, prev, st)
     total, metrics = 0.0, {}

@@ -4,7 +4,8 @@
 `Transformer(tokens, positions, *, cache=None, segment_ids=None, branch_ids=None, return_hidden=False,
 return_attn=False)` returns a `ModelOutput`. What it is not: a sampler (see `posttrain.generate`)
 or a loss (see `posttrain.losses`). Mixture-of-experts layers (`models/moe.py`) return their router
-logits (`return_router_logits`) and, without a cache, record them for the train step's router losses.
+logits (`return_router_logits`) and, without a cache, append their statistics for the train step's router
+losses (`moe.RouterStats`, which the step attaches and pops).
 Gemma 4: per-layer input embeddings (a token table of L * P plus a projection of the embeddings,
 normed, summed, scaled by 2^-1/2, one [P] slice per layer) and KV-shared layers, which attend the
 keys and values their source layer just attended (with a cache: that layer's cache after this
@@ -206,7 +207,7 @@ class Transformer(nnx.Module):
         rope_tables: from `rope_tables(n)` with every position < n, or None to compute RoPE here.
         return_attn: True for every layer's attention probabilities, or a collection of layer indices.
         return_router_logits: the router logits of every MoE layer (models/moe.py); without a cache they
-        are also recorded for the train step's router losses (`moe.collect_router`)."""
+        are also appended to the train step's router statistics (`moe.sow_router`)."""
         B, T = tokens.shape
         positions = positions.astype(jnp.int32)
         real_pos = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, -1)
@@ -256,8 +257,8 @@ class Transformer(nnx.Module):
             kvs.append(kv)
             hidden.append(x)
             attns.append(attn)
-        if routers and cache is None:
-            moe.record(self, routers, real_pos >= 0)
+        if cache is None:
+            moe.sow_router(self, routers, real_pos >= 0)
         x = self.final_norm(x)
         hidden[-1] = x
         own = kvs[:self.cfg.cache_layers]

@@ -56,7 +56,7 @@ def _check_finite(metrics, step: int, max_nonfinite: int) -> None:
 
 def train_loop(step_fn, state, batches: Iterable[dict] | Callable[..., dict], *, steps: int, start_step: int = 0,
                log_every: int = 10, sinks: Sequence = (), hooks: Sequence[Hook] = (), progress: bool = True,
-               frozen=None, max_nonfinite: int = 3, profiler=None, extra_metrics: Optional[Callable] = None,
+               max_nonfinite: int = 3, profiler=None, extra_metrics: Optional[Callable] = None,
                place_batch: Optional[Callable] = None, stop: Optional[Callable[[], Optional[str]]] = None):
     """Run steps start_step+1 .. steps; returns (state, history of logged metric dicts).
 
@@ -87,7 +87,7 @@ def train_loop(step_fn, state, batches: Iterable[dict] | Callable[..., dict], *,
             batch = place_batch(batch)
         if profiler is not None:
             profiler.before_step(step)
-        state, metrics = step_fn(state, batch) if frozen is None else step_fn(state, batch, frozen)
+        state, metrics = step_fn(state, batch)
         if profiler is not None:
             profiler.after_step(step, metrics)
         if prev is not None:

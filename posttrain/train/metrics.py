@@ -282,25 +282,6 @@ class Profiler:
 # ----------------------------------------------------------------------------- FLOPs and MFU
 
 
-def model_flops_per_token(cfg, seq_len: int, *, training: bool = True) -> float:
-    """Model FLOPs per token of a decoder-only Transformer (counts matmuls only, as MFU does).
-
-    With D embed, L layers, N query heads, K kv heads, H head dim, F mlp dim, V vocab, S seq_len:
-      matmuls   = 2 * [L * (D*(N+2K)*H  +  N*H*D  +  3*D*F)  +  D*V]
-                       (q,k,v proj)   (out proj)  (gate,up,down) (LM head; tied or not)
-      attention = 2 * 2 * N * H * S * L   (QK^T and PV against all S keys; causal masking and
-                  sliding windows are ignored, as in the PaLM convention)
-      training  = 3 * forward             (backward costs twice the forward)
-    Norms, RoPE, softmax and embedding lookups are left out: they are not matmuls.
-    """
-    D, L, N, K = cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads
-    H, F, V = cfg.head_dim, cfg.mlp_dim, cfg.vocab_size
-    matmul = 2 * (L * (D * (N + 2 * K) * H + N * H * D + 3 * D * F) + D * V)
-    attention = 2 * 2 * N * H * seq_len * L
-    forward = float(matmul + attention)
-    return 3 * forward if training else forward
-
-
 @functools.cache
 def measure_peak_flops(n: int = 2048, reps: int = 5) -> float:
     """Best observed float32 matmul FLOP/s of an n x n jitted matmul on the default device.

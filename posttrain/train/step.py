@@ -75,9 +75,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
     def grads_of(params, rest, batch, frozen_model, rng):
         def f(p):
             model = nnx.merge(graphdef, p, rest)
-            with moe.collect_router(model) as sink:
-                total, metrics = loss_fn(model, batch, frozen=frozen_model, rng=rng)
-            if (routed := moe.router_loss(sink)) is not None:  # MoE only: per denom unit, like the loss
+            moe.collect_router(model)  # MoE: the model's forwards append their router statistics
+            total, metrics = loss_fn(model, batch, frozen=frozen_model, rng=rng)
+            if (routed := moe.router_loss(model)) is not None:  # MoE only: per denom unit, like the loss
                 aux, extra = routed
                 total = total + aux * jax.lax.stop_gradient(metrics["denom"])
                 metrics = {**metrics, **{k: v * metrics["denom"] for k, v in extra.items()}}

@@ -39,51 +39,49 @@ from posttrain.losses.distill import LOGIT_KINDS, check_layer_map, check_pool_si
 from posttrain.losses.distill_step import make_distill_loss
 from posttrain.models import count_params, load_config
 from posttrain.models.lora import LoraParam
+from posttrain.plan import flops_per_token
 from posttrain.rl.distill import OnPolicyBatches, ProjectionParam, attach_projection, cached_teacher_samples
 from posttrain.tokenizer import check_same_tokenizer
 from posttrain.train.build import build_model, build_tokenizer, preset_config, weights_stamp
-from posttrain.train.metrics import model_flops_per_token
 from posttrain.train.recipe import Parts, Recipe
 
 SAMPLES_FILE = "teacher_samples.npz"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DistillSection:
+class DistillSection(C.Section):
+    key = "distill"
+
     strategy: tuple[Literal["logit", "attention", "feature"], ...] = ("logit",)  # losses summed; default logit
-    temperature: float = 2.0  # τ of the logit loss (τ² scaling); default 2.0
-    alpha: float = 0.5  # weight of the distillation term; 1 - alpha goes to CE on the labels; default 0.5
+    temperature: C.Positive = 2.0  # τ of the logit loss (τ² scaling); default 2.0
+    alpha: C.Probability = 0.5  # weight of the distillation term; 1 - alpha goes to CE on the labels; default 0.5
     kind: Literal[LOGIT_KINDS] = "forward_kl"  # forward_kl = KL(teacher‖student), reverse_kl, or jsd
-    beta: float = 0.5  # jsd's β (GKD); 0 = forward KL, 1 = reverse KL
-    top_k: Optional[int] = None  # restrict the logit loss to the teacher's k largest logits; None = all
+    beta: C.Probability = 0.5  # jsd's β (GKD); 0 = forward KL, 1 = reverse KL
+    top_k: Optional[C.AtLeast1] = None  # restrict the logit loss to the teacher's k largest logits; None = all
     layer_map: dict[int, int] = dataclasses.field(default_factory=dict)  # attention: student -> teacher layer
     attention_kind: Literal["mse", "kl"] = "mse"  # attention-probability loss per query row
-    attention_weight: float = 1.0  # weight of the attention loss
-    feature_layer_map: dict[int, int] = dataclasses.field(default_factory=dict)  # hidden states (0 = embeddings,
-    # L = final, normed) student -> teacher; empty = the final hidden states
-    pool_size: Optional[int] = None  # feature: teacher features averaged per pool; None = teacher / student width
+    attention_weight: C.NonNegative = 1.0  # weight of the attention loss
+    # feature: hidden states (0 = embeddings, L = final, normed) student -> teacher; empty = the final ones
+    feature_layer_map: dict[int, int] = dataclasses.field(default_factory=dict)
+    pool_size: Optional[C.AtLeast1] = None  # feature: teacher features averaged per pool; None = width ratio
     projection: bool = False  # feature: a learned [teacher width, student width] projection instead of pooling
     feature_kind: Literal["l2", "cosine"] = "l2"  # feature loss per token
-    feature_weight: float = 1.0  # weight of the feature loss
-    chunk_size: int = 256  # positions whose logits are formed at once (memory vs speed); 0 = all at once
+    feature_weight: C.NonNegative = 1.0  # weight of the feature loss
+    chunk_size: C.Count = 256  # positions whose logits are formed at once (memory vs speed); 0 = all at once
     mode: Literal["offline", "teacher_generated", "on_policy"] = "offline"  # where the sequences come from
-    lmbda: float = 0.5  # on_policy: fraction of steps on the student's own samples (GKD's λ)
-    max_new_tokens: int = 32  # teacher_generated / on_policy: completion budget
-    sample_temperature: float = 1.0  # teacher_generated / on_policy sampling temperature; 0 = greedy
+    lmbda: C.Probability = 0.5  # on_policy: fraction of steps on the student's own samples (GKD's λ)
+    max_new_tokens: C.AtLeast1 = 32  # teacher_generated / on_policy: completion budget
+    sample_temperature: C.NonNegative = 1.0  # teacher_generated / on_policy sampling temperature; 0 = greedy
 
     def __post_init__(self):
+        super().__post_init__()
         if not self.strategy:
             raise PosttrainError("distill.strategy is empty; name at least one of logit, attention, feature")
-        if not self.temperature > 0 or not 0 <= self.alpha <= 1 or not 0 <= self.beta <= 1:
-            raise PosttrainError("distill.temperature must be > 0, distill.alpha and distill.beta in [0, 1]")
         if "attention" in self.strategy and not self.layer_map:
             raise PosttrainError("distill.strategy has 'attention' but distill.layer_map is empty; map student "
                                  "layers to teacher layers, e.g. {0: 1, 1: 3}")
         if self.projection and self.pool_size is not None:
             raise PosttrainError("distill.projection and distill.pool_size exclude each other; set one")
-        if not 0 <= self.lmbda <= 1 or self.chunk_size < 0 or self.max_new_tokens < 1 or self.sample_temperature < 0:
-            raise PosttrainError("distill.lmbda must be in [0, 1], distill.chunk_size >= 0, distill.max_new_tokens "
-                                 ">= 1 and distill.sample_temperature >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -187,7 +185,7 @@ class DistillTrainer(Recipe):
         return Parts(
             model=self.model, loss_fn=self.loss_fn, eval_loss_fn=self.eval_loss_fn, trainable=self.trainable,
             frozen=nnx.split(self.teacher), batches=data, eval_arrays=evals,
-            flops_per_token=model_flops_per_token(self.model.cfg, L) + model_flops_per_token(self.teacher.cfg, L) / 3,
+            flops_per_token=flops_per_token(self.model.cfg, L) + flops_per_token(self.teacher.cfg, L) / 3,
             summary=(f"{n_examples} {'prompts' if self.train_examples is None else 'examples'}, mode {d.mode}, "
                      f"strategy {'+'.join(d.strategy)}; teacher {count_params(self.teacher):,} parameters"))
 

@@ -35,9 +35,9 @@ from posttrain.errors import PosttrainError
 from posttrain.losses.dpo import make_dpo_loss
 from posttrain.losses.logps import branch_logps
 from posttrain.models.lora import LoraParam, adapters_off
+from posttrain.plan import flops_per_token
 from posttrain.train.build import build_model, weights_stamp
 from posttrain.train.lifecycle import frozen_copy, place_batch
-from posttrain.train.metrics import model_flops_per_token
 from posttrain.train.recipe import Parts, Recipe, lora_reference
 
 REF_FILE = "ref_logps.npz"
@@ -46,15 +46,16 @@ LossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", 
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DPOSection:
-    beta: float = 0.1  # strength of the implicit KL to the reference; default 0.1
+class DPOSection(C.Section):
+    key = "dpo"
+
+    beta: C.Positive = 0.1  # strength of the implicit KL to the reference; default 0.1
     loss_type: LossType = "sigmoid"  # a TRL 1.16 DPO loss type (losses/preference.py); default sigmoid
     label_smoothing: float = 0.0  # robust / exo_pair / aot label-flip rate; default 0.0
     precompute_ref: bool = False  # reference log-probs computed once, cached in run_dir; default false
 
     def __post_init__(self):
-        if not self.beta > 0:
-            raise PosttrainError(f"dpo.beta must be > 0, got {self.beta}")
+        super().__post_init__()
         if self.loss_type == "exo_pair" and not 0 < self.label_smoothing < 1:
             raise PosttrainError("dpo.loss_type=exo_pair needs 0 < dpo.label_smoothing < 1 (EXO's epsilon, e.g. 1e-3)")
         if not 0 <= self.label_smoothing < 0.5 and self.loss_type != "exo_pair":
@@ -168,7 +169,7 @@ class DPOTrainer(Recipe):
         extra = None if ref_train is None else {"ref_logps": ref_train}
         mode = "precomputed" if d.precompute_ref else "adapters off" if c.lora.enabled else "frozen copy"
         # The reference forward adds one forward (a third of a training step) unless precomputed.
-        flops = model_flops_per_token(self.model.cfg, self.length) * (1.0 if d.precompute_ref else 4 / 3)
+        flops = flops_per_token(self.model.cfg, self.length) * (1.0 if d.precompute_ref else 4 / 3)
         return Parts(
             model=self.model, loss_fn=self.loss_fn, trainable=LoraParam if c.lora.enabled else nnx.Param,
             frozen=frozen_copy(self.model) if not d.precompute_ref and not c.lora.enabled else None,

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
+from annotated_types import Ge, Interval
 from flax import nnx
 
 from posttrain import config as C
@@ -40,61 +41,54 @@ from posttrain.errors import PosttrainError
 from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.grpo import make_grpo_loss
 from posttrain.models.lora import LoraParam
+from posttrain.plan import flops_per_token
 from posttrain.rewards.registry import reward_functions
 from posttrain.rl.rollout import GroupRollout
 from posttrain.train.build import build_model
 from posttrain.train.lifecycle import frozen_copy
-from posttrain.train.metrics import model_flops_per_token
 from posttrain.train.recipe import Parts, Recipe, lora_reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GRPOSection:
-    num_generations: int = 8  # samples per prompt (the group size n)
-    max_new_tokens: int = 64  # completion budget per sample
-    temperature: float = 1.0  # sampling temperature (the loss uses the same one)
-    top_p: float = 1.0  # nucleus sampling; 1 = off
-    top_k: int = 0  # top-k sampling; 0 = off
-    num_iterations: int = 1  # μ: optimisation steps per rollout batch
+class GRPOSection(C.Section):
+    key = "grpo"
+
+    num_generations: Annotated[int, Ge(2)] = 8  # samples per prompt (the group size n; advantages compare them)
+    max_new_tokens: C.AtLeast1 = 64  # completion budget per sample
+    temperature: C.Positive = 1.0  # sampling temperature (the loss uses the same one)
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0  # nucleus sampling; 1 = off
+    top_k: C.Count = 0  # top-k sampling; 0 = off
+    num_iterations: C.AtLeast1 = 1  # μ: optimisation steps per rollout batch
+    # the policy loss (TRL 1.16's loss_type): token / sequence normalisation, clipping variant
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
-    epsilon_low: float = 0.2  # lower clip range
-    epsilon_high: float = 0.2  # upper clip range (DAPO clip-higher: 0.28)
-    delta: Optional[float] = None  # two-sided cap on the ratio (INTELLECT-2); None = off
-    beta: float = 0.0  # KL weight to the reference; 0 = no reference forward
+    epsilon_low: C.NonNegative = 0.2  # lower clip range
+    epsilon_high: C.NonNegative = 0.2  # upper clip range (DAPO clip-higher: 0.28)
+    delta: Optional[C.Positive] = None  # two-sided cap on the ratio (INTELLECT-2); None = off
+    beta: C.NonNegative = 0.0  # KL weight to the reference; 0 = no reference forward
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence = GSPO
     scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage scaling (TRL's scale_rewards)
-    # reward -> weight: built-ins (math_answer, last_number, countdown, format, overlong, reward_model)
-    # or "module:function"
+    # reward -> weight: built-ins (math_answer, last_number, countdown, code_tests, format, overlong,
+    # reward_model) or "module:function"
     rewards: dict[str, float] = dataclasses.field(default_factory=lambda: {"math_answer": 1.0})
     format_pattern: Optional[str] = None  # regex for the "format" reward (full match)
-    overlong_cache: int = 0  # DAPO soft overlong penalty: tokens of the soft zone before max_new_tokens
+    overlong_cache: C.Count = 0  # DAPO soft overlong penalty: tokens of the soft zone before max_new_tokens
     reward_model: Optional[str] = None  # a *ForSequenceClassification folder for the "reward_model" reward
-    reward_timeout_s: Optional[float] = 60.0  # a reward call running longer counts as failed
+    reward_timeout_s: Optional[C.Positive] = 60.0  # a reward call running longer counts as failed
     # where code_tests runs model-written code: auto (bwrap, else a fresh uid as root), bwrap, uid, or
     # unsafe_inprocess_guard (a Python-level guard only; warns). See posttrain/sandbox and docs/security.md
     sandbox: str = "auto"
     on_reward_error: Literal["zero", "drop"] = "zero"  # failed reward: 0, or drop the samples from the loss
     dynamic_sampling: bool = False  # DAPO: replace groups whose rewards do not vary
-    max_refills: int = 3  # dynamic sampling: extra rollouts per step at most
+    max_refills: C.Count = 3  # dynamic sampling: extra rollouts per step at most
 
     def __post_init__(self):
-        if self.num_generations < 2:
-            raise PosttrainError(f"grpo.num_generations must be >= 2 (advantages compare samples of a prompt), "
-                                 f"got {self.num_generations}")
-        if self.max_new_tokens < 1 or self.num_iterations < 1:
-            raise PosttrainError("grpo.max_new_tokens and grpo.num_iterations must be >= 1")
-        if not self.temperature > 0:
-            raise PosttrainError(f"grpo.temperature must be > 0 (RL samples), got {self.temperature}")
+        super().__post_init__()
         if not self.rewards:
             raise PosttrainError("grpo.rewards is empty; name at least one reward function, e.g. {math_answer: 1.0}")
-        if self.beta < 0:
-            raise PosttrainError(f"grpo.beta must be >= 0, got {self.beta}")
         for name, w in self.rewards.items():
             if not math.isfinite(w):
                 raise PosttrainError(f"grpo.rewards.{name}: the weight must be a finite number, got {w}")
-        if self.epsilon_low < 0 or self.epsilon_high < 0 or self.max_refills < 0:
-            raise PosttrainError("grpo.epsilon_low, grpo.epsilon_high and grpo.max_refills must be >= 0")
-        if not 0 <= self.overlong_cache <= self.max_new_tokens:
+        if self.overlong_cache > self.max_new_tokens:
             raise PosttrainError(f"grpo.overlong_cache must be in [0, grpo.max_new_tokens={self.max_new_tokens}], "
                                  f"got {self.overlong_cache}")
 
@@ -186,7 +180,7 @@ class GRPOTrainer(Recipe):
                       else f"rewards {dict(g.rewards)}"))
         return Parts(model=self.model, loss_fn=self.loss_fn, trainable=LoraParam if c.lora.enabled else nnx.Param,
                      frozen=frozen_copy(self.model) if full_ref else None, batches=self.rollout, summary=summary,
-                     flops_per_token=model_flops_per_token(self.model.cfg, self.length) * (4 / 3 if g.beta else 1.0))
+                     flops_per_token=flops_per_token(self.model.cfg, self.length) * (4 / 3 if g.beta else 1.0))
 
     @staticmethod
     def done_line(r: dict) -> str:

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Literal, Optional
+from typing import Annotated, Literal, Optional
 
 import jax
+from annotated_types import Interval
 from flax import nnx
 
 from posttrain import config as C
@@ -33,73 +34,66 @@ from posttrain.errors import PosttrainError
 from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.logps import branch_logps
 from posttrain.models.lora import adapters_off
+from posttrain.plan import flops_per_token
 from posttrain.rewards.registry import reward_functions
 from posttrain.rl.critic import check_reward_model, critic_values, ppo_model, ppo_optimizer
 from posttrain.rl.ppo import AdaptiveKL, FixedKL, PPORollout, make_ppo_loss
 from posttrain.train import merge
 from posttrain.train.build import build_model
 from posttrain.train.lifecycle import frozen_copy
-from posttrain.train.metrics import model_flops_per_token
 from posttrain.train.recipe import Parts, Recipe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PPOSection:
-    num_generations: int = 1  # samples per prompt (> 1: one prefix-shared row per prompt)
-    max_new_tokens: int = 64  # completion budget per sample
-    temperature: float = 1.0  # sampling temperature (the loss uses the same one)
-    top_p: float = 1.0  # nucleus sampling; 1 = off
-    top_k: int = 0  # top-k sampling; 0 = off
-    ppo_epochs: int = 2  # passes over each rollout batch
-    mini_batch_size: Optional[int] = None  # prompts per optimizer step; None = train.batch_size
-    epsilon_low: float = 0.2  # policy ratio clip, lower
-    epsilon_high: float = 0.2  # policy ratio clip, upper
+class PPOSection(C.Section):
+    key = "ppo"
+
+    num_generations: C.AtLeast1 = 1  # samples per prompt (> 1: one prefix-shared row per prompt)
+    max_new_tokens: C.AtLeast1 = 64  # completion budget per sample
+    temperature: C.Positive = 1.0  # sampling temperature (the loss uses the same one)
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0  # nucleus sampling; 1 = off
+    top_k: C.Count = 0  # top-k sampling; 0 = off
+    ppo_epochs: C.AtLeast1 = 2  # passes over each rollout batch
+    mini_batch_size: Optional[C.AtLeast1] = None  # prompts per optimizer step; None = train.batch_size
+    epsilon_low: C.NonNegative = 0.2  # policy ratio clip, lower
+    epsilon_high: C.NonNegative = 0.2  # policy ratio clip, upper
     dual_clip: Optional[float] = None  # dual-clip c (> 1 + epsilon_high, e.g. 3.0); None = off
-    value_clip: Optional[float] = 0.2  # value clip range around the old values; None = unclipped
-    vf_coef: float = 0.1  # weight of the value loss
-    entropy_coef: float = 0.0  # weight of the entropy bonus
-    gamma: float = 1.0  # discount
-    lam: float = 0.95  # GAE λ
+    value_clip: Optional[C.Positive] = 0.2  # value clip range around the old values; None = unclipped
+    vf_coef: C.NonNegative = 0.1  # weight of the value loss
+    entropy_coef: C.NonNegative = 0.0  # weight of the entropy bonus
+    gamma: C.Probability = 1.0  # discount
+    lam: C.Probability = 0.95  # GAE λ
     whiten_advantages: bool = True  # whiten the advantages over the rollout's tokens
-    kl_coef: float = 0.05  # β of the per-token KL penalty (the start value when adaptive)
+    kl_coef: C.NonNegative = 0.05  # β of the per-token KL penalty (the start value when adaptive)
     kl_estimator: Literal["k1", "k3"] = "k1"  # per-token KL to the reference in the reward
-    kl_target: Optional[float] = None  # adaptive KL controller's target (mean per-token KL); None = fixed β
-    kl_horizon: int = 10000  # adaptive KL controller's horizon (sequences)
+    kl_target: Optional[C.Positive] = None  # adaptive KL controller's target (mean per-token KL); None = fixed β
+    kl_horizon: C.AtLeast1 = 10000  # adaptive KL controller's horizon (sequences)
     missing_eos_penalty: Optional[float] = None  # subtracted from the score of a completion without a stop token
     critic: Literal["separate", "shared"] = "separate"  # own Transformer, or a value head on the policy
     critic_path: Optional[str] = None  # separate critic from this folder (reward model or causal LM); None = policy
-    critic_lr: Optional[float] = None  # the critic's peak learning rate; None = optim.lr
+    critic_lr: Optional[C.Positive] = None  # the critic's peak learning rate; None = optim.lr
     # reward -> weight, as grpo.rewards: math_answer, last_number, format, overlong, reward_model, "module:function"
     rewards: dict[str, float] = dataclasses.field(default_factory=lambda: {"math_answer": 1.0})
     format_pattern: Optional[str] = None  # regex for the "format" reward (full match)
-    overlong_cache: int = 0  # DAPO soft overlong penalty zone (tokens)
+    overlong_cache: C.Count = 0  # DAPO soft overlong penalty zone (tokens)
     reward_model: Optional[str] = None  # a *ForSequenceClassification folder for the "reward_model" reward
-    reward_timeout_s: Optional[float] = 60.0  # a reward call running longer counts as failed
+    reward_timeout_s: Optional[C.Positive] = 60.0  # a reward call running longer counts as failed
     # where code_tests runs model-written code: auto (bwrap, else a fresh uid as root), bwrap, uid, or
     # unsafe_inprocess_guard (a Python-level guard only; warns). See posttrain/sandbox and docs/security.md
     sandbox: str = "auto"
     on_reward_error: Literal["zero", "drop"] = "zero"  # failed reward: 0, or drop the samples from the loss
 
     def __post_init__(self):
+        super().__post_init__()
         checks = [
-            (min(self.num_generations, self.max_new_tokens, self.ppo_epochs, self.mini_batch_size or 1,
-                 self.kl_horizon) >= 1,
-             "ppo.num_generations, max_new_tokens, ppo_epochs, mini_batch_size and kl_horizon must be >= 1"),
-            (self.temperature > 0, f"ppo.temperature must be > 0 (RL samples), got {self.temperature}"),
-            (0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "ppo.gamma and ppo.lam must be in [0, 1]"),
-            (self.kl_coef >= 0, f"ppo.kl_coef must be >= 0, got {self.kl_coef}"),
-            (self.kl_target is None or self.kl_target > 0 and self.kl_coef > 0,
-             "ppo.kl_target must be > 0 (or null: a fixed kl_coef), with ppo.kl_coef > 0 as its start value"),
-            (min(self.epsilon_low, self.epsilon_high, self.vf_coef, self.entropy_coef) >= 0,
-             "ppo.epsilon_low, epsilon_high, vf_coef and entropy_coef must be >= 0"),
+            (self.kl_target is None or self.kl_coef > 0,
+             "ppo.kl_target needs ppo.kl_coef > 0 as its start value (or kl_target null: a fixed kl_coef)"),
             (self.dual_clip is None or self.dual_clip > 1 + self.epsilon_high,
              f"ppo.dual_clip must be > 1 + ppo.epsilon_high (e.g. 3.0) or null, got {self.dual_clip}"),
-            (self.value_clip is None or self.value_clip > 0, "ppo.value_clip must be > 0 or null (unclipped)"),
-            (self.critic_lr is None or self.critic_lr > 0, "ppo.critic_lr must be > 0 or null (optim.lr)"),
             (not (self.critic == "shared" and self.critic_path),
              "ppo.critic_path is for ppo.critic=separate; a shared critic is a head on the policy"),
             (bool(self.rewards), "ppo.rewards is empty; name at least one reward function, e.g. {math_answer: 1.0}"),
-            (0 <= self.overlong_cache <= self.max_new_tokens, "ppo.overlong_cache must be in [0, ppo.max_new_tokens]")]
+            (self.overlong_cache <= self.max_new_tokens, "ppo.overlong_cache must be in [0, ppo.max_new_tokens]")]
         checks += [(math.isfinite(w), f"ppo.rewards.{k}: the weight must be a finite number") for k, w in
                    self.rewards.items()]
         for ok, msg in checks:
@@ -184,7 +178,7 @@ class PPOTrainer(Recipe):
         c, p = self.config, self.config.ppo
         frozen = frozen_copy(self.model.policy) if p.kl_coef > 0 and not c.lora.enabled else None
         mu = p.ppo_epochs * (c.train.batch_size // (p.mini_batch_size or c.train.batch_size))  # steps per rollout
-        f = model_flops_per_token(self.model.policy.cfg, self.length)  # policy (+ critic) train, + prepare forwards
+        f = flops_per_token(self.model.policy.cfg, self.length)  # policy (+ critic) train, + prepare forwards
         summary = (f"{len(self.prompts)} prompts ({self.data_stats}), {p.num_generations} samples x "
                    f"{p.max_new_tokens} tokens each, rows of {self.length} tokens, {p.critic} critic, "
                    f"{p.ppo_epochs} epochs x {mu // p.ppo_epochs} mini-batches per rollout, kl_coef {p.kl_coef} "

@@ -35,24 +35,20 @@ from posttrain.losses.reward import per_pair_loss
 from posttrain.models import from_pretrained
 from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head, last_token_scores, score_index
 from posttrain.models.lora import apply_lora
+from posttrain.plan import flops_per_token
 from posttrain.train.build import build_model, is_classifier
-from posttrain.train.metrics import model_flops_per_token
 from posttrain.train.recipe import Parts, Recipe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RMSection:
+class RMSection(C.Section):
+    key = "rm"
+
     # weight of TRL's reward centering term coef * mean((r_c + r_r)^2); None = off (e.g. 0.01)
-    center_coefficient: Optional[float] = None
+    center_coefficient: Optional[C.NonNegative] = None
     use_margin: bool = True  # subtract the rows' "margin" column inside the sigmoid (TRL: when present)
     # std of the score head's normal init; None = the model folder's initializer_range, else 0.02
-    init_std: Optional[float] = None
-
-    def __post_init__(self):
-        if self.center_coefficient is not None and not self.center_coefficient >= 0:
-            raise PosttrainError(f"rm.center_coefficient must be >= 0 or null (off), got {self.center_coefficient}")
-        if self.init_std is not None and not self.init_std >= 0:
-            raise PosttrainError(f"rm.init_std must be >= 0 or null, got {self.init_std}")
+    init_std: Optional[C.NonNegative] = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -164,7 +160,7 @@ class RMTrainer(Recipe):
             batches=lambda graphdef: iter(pair_batches(self.train_pairs, batch_size=c.train.batch_size,
                                                        seed=c.data.seed, shuffle=c.data.shuffle, **shapes)),
             eval_arrays=(lambda: pair_arrays(self.eval_pairs, **shapes)) if self.eval_pairs is not None else None,
-            flops_per_token=model_flops_per_token(self.model.cfg, self.length),
+            flops_per_token=flops_per_token(self.model.cfg, self.length),
             summary=f"{len(self.train_pairs)} pairs ({self.data_stats}), rows of {self.length} tokens")
 
     @staticmethod

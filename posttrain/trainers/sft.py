@@ -18,8 +18,8 @@ from posttrain.data import batches, load_examples, to_arrays
 from posttrain.errors import PosttrainError
 from posttrain.losses import sft_loss
 from posttrain.models.lora import LoraParam
+from posttrain.plan import flops_per_token
 from posttrain.train.build import build_model
-from posttrain.train.metrics import model_flops_per_token
 from posttrain.train.recipe import Parts, Recipe
 
 
@@ -49,7 +49,7 @@ class SFTTrainer(Recipe):
             batches=lambda graphdef: iter(batches(self.train_examples, batch_size=c.train.batch_size,
                                                   seq_len=d.max_length, pad_id=tok.pad_id, packing=d.packing,
                                                   seed=d.seed, shuffle=d.shuffle)),
-            eval_arrays=evals, flops_per_token=model_flops_per_token(self.model.cfg, d.max_length),
+            eval_arrays=evals, flops_per_token=flops_per_token(self.model.cfg, d.max_length),
             summary=f"{len(self.train_examples)} examples ({self.data_stats})")
 
 
