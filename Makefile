@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-real test test-fast bench setup browser bwrap lint clean package lowest real-model
+.PHONY: demo demo-real test test-fast bench setup browser bwrap lint clean package real-model
 
 setup: $(STAMP) bwrap
 
@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements.lock
 demo: $(STAMP) bwrap
 	$(VPY) -m posttrain.cli demo
 
-test: $(STAMP) browser bwrap real-model package lowest
+test: $(STAMP) browser bwrap real-model package
 	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # The edit loop: the suite without the files conftest.py marks slow (whole training runs, processes,
@@ -61,14 +61,12 @@ bwrap:
 lint: $(STAMP)
 	$(VPY) -m ruff check posttrain tests benchmarks
 
-# Release check: sdist + wheel, twine check, no tests/runs/caches in the wheel, and the installed wheel's
-# --help / generate / 3-step sft in a fresh venv (scripts/check_package.sh; PRE="pkg==v" keeps a user's version).
+# Release check (part of make test): sdist + wheel, twine check, no tests/runs/caches in the wheel; the wheel
+# installed into a fresh venv beside the LOWEST allowed jax/jaxlib/flax/optax/orbax-checkpoint/transformers
+# (kept), its --help / generate / 3-step sft, then a smoke subset of the tests on those versions
+# (scripts/check_package.sh; PRE="pkg==v ..." installs a user's versions instead of the lowest).
 package:
 	bash scripts/check_package.sh
-
-# The lowest allowed jax/jaxlib/flax/optax/orbax-checkpoint/transformers in a fresh venv + a smoke test subset.
-lowest:
-	bash scripts/check_lowest.sh
 
 clean:
 	rm -rf $(VENV) runs

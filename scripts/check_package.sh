@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
-# Release check (make package): build the sdist and wheel, `twine check` them, make sure the wheel holds no
-# tests, runs or caches, install the wheel into a fresh venv (no --system-site-packages; wheels come from
-# pip's cache) and run `posttrain --version`, `posttrain --help`, `posttrain generate` on a tiny local folder
-# and a 3-step `posttrain sft` there.
-#   PRE="transformers==X"  packages installed into the fresh venv BEFORE the wheel: pip must keep them
-#                          (the acceptance check "a user's newer allowed transformers / older allowed jax stays").
+# Release check (make package, part of make test): build the sdist and wheel, `twine check` them, make sure
+# the wheel holds no tests, runs or caches; then a fresh venv (no --system-site-packages; wheels come from
+# pip's cache) that already holds the LOWEST versions pyproject.toml allows for jax, jaxlib, flax, optax,
+# orbax-checkpoint and transformers (a user's older stack), the wheel installed on top (pip must keep
+# them), `posttrain --version`, `--help`, `generate` on a tiny local folder (no torch imported) and a
+# 3-step `posttrain sft` there; last, the test extras and a smoke subset of the tests on those versions.
+#   PRE="transformers==X ..."  install these before the wheel instead of the lowest versions.
 set -euo pipefail
 PY=${PY:-python3}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 W=$(mktemp -d /tmp/posttrain-pkg.XXXX)
 trap 'rm -rf "$W"' EXIT
 t0=$(date +%s)
+LOWEST=$($PY - "$ROOT/pyproject.toml" <<'PY'
+import re, sys
+deps = re.search(r"^dependencies = \[(.*?)^\]", open(sys.argv[1]).read(), re.S | re.M).group(1)
+for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "transformers"):
+    m = re.search(r'"%s>=([^,"]+)' % re.escape(name), deps)
+    print(f"{name}=={m.group(1)}")
+PY
+)
+PRE=${PRE:-$(echo $LOWEST)}
 $PY -m venv "$W/tools"
 "$W/tools/bin/pip" install -q build twine
 "$W/tools/bin/python" -m build -q --outdir "$W/dist" "$ROOT" >/dev/null
@@ -22,11 +32,12 @@ fi
 "$W/tools/bin/python" -m zipfile -l "$WHEEL" | grep "posttrain/py.typed" >/dev/null  # not -q: an early exit breaks the pipe
 $PY -m venv "$W/venv"
 if [ -n "${PRE:-}" ]; then "$W/venv/bin/pip" install -q $PRE; fi
-"$W/venv/bin/pip" freeze > "$W/before.txt"
 "$W/venv/bin/pip" install -q "$WHEEL"
-if [ -n "${PRE:-}" ]; then  # the user's versions stay
+kept() {  # the user's versions stay
   for req in $PRE; do grep -qix "$req" <("$W/venv/bin/pip" freeze) || { echo "check_package: $req was replaced" >&2; exit 1; }; done
-fi
+}
+kept
+echo "check_package: the wheel installed beside $PRE"
 cd "$W"
 BIN="$W/venv/bin"
 "$BIN/posttrain" --version
@@ -44,4 +55,11 @@ if grep -qE "\| +(torch|transformers)$" importtime.txt; then echo "check_package
 mkdir -p data && cp "$ROOT/tests/data/sft_prompt_completion.jsonl" data/
 "$BIN/posttrain" sft --config "$ROOT/configs/sft_tiny.yaml" data.train=data/sft_prompt_completion.jsonl \
   train.steps=3 train.log_every=1 optim.warmup_steps=1 run_dir=runs/sft3
+# the smoke subset of the tests on these versions (torch first: the local CPU wheel, never a CUDA build)
+"$BIN/pip" install -q torch==2.13.0
+"$BIN/pip" install -q "$WHEEL[test]"
+kept
+cd "$ROOT"
+"$BIN/python" -m pytest -q -p no:xdist -p no:cacheprovider tests/test_tokenizer.py tests/test_hf_config_json.py \
+  tests/test_xla_defaults.py "tests/test_cli.py::test_generate_chat_with_n_samples" tests/test_sft_cli.py
 echo "check_package: ok in $(( $(date +%s) - t0 )) s"

@@ -93,3 +93,52 @@ def _run_doc(doc, scratch, capsys):
                 C.load(recipe_class(config_recipe(str(path))).config_class, str(path))
         else:
             pytest.fail(f"{where}: a ```{lang} block; the docs test runs bash, python and yaml blocks only")
+
+
+PATH_DOCS = ["README.md", "docs/ARCHITECTURE.md", "docs/READING_ORDER.md"]
+NAMED = re.compile(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.(?:py|md|yaml|sh|json|toml|lock)|(?:[\w-]+/)+)(?![\w/-])")
+
+
+def _tree_paths(text: str) -> list[str]:
+    """The paths of ARCHITECTURE.md's package map: names in its first code block, nested by indentation."""
+    block = text.split("```")[1].splitlines()[1:]
+    stack: list[tuple[int, str]] = []
+    out = []
+    for line in block:
+        name = line.strip().split(" ")[0] if line.strip() else ""
+        indent = len(line) - len(line.lstrip())
+        if not name or not (name.endswith("/") or "." in name) or indent % 2:
+            continue  # a continuation line of a description
+        if indent > 21:
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        path = "".join(p for _, p in stack) + name
+        out.append(path)
+        if name.endswith("/"):
+            stack.append((indent, name))
+    return out
+
+
+def test_architecture_map_names_existing_files():
+    paths = _tree_paths(open(os.path.join(ROOT, "docs/ARCHITECTURE.md")).read())
+    assert len(paths) > 100 and "posttrain/train/recipe.py" in paths
+    assert [p for p in paths if not os.path.exists(os.path.join(ROOT, p))] == []
+
+
+@pytest.mark.parametrize("doc", PATH_DOCS)
+def test_paths_named_in_the_docs_exist(doc):
+    """Every file or folder a doc names in backticks exists (relative to the repository, posttrain/,
+    tests/ or docs/, as the docs write them; a bare file name exists somewhere in the repository)."""
+    names = {f for top in ("posttrain", "tests", "docs", "configs", "benchmarks", "scripts")
+             for _, _, files in os.walk(os.path.join(ROOT, top)) for f in files}
+    missing = []
+    for quoted in re.findall(r"`([^`\n]+)`", open(os.path.join(ROOT, doc)).read()):
+        for name in NAMED.findall(quoted):
+            if "*" in name or "<" in name or name.startswith(("runs/", ".cache/", "../")):
+                continue
+            if "/" not in name.rstrip("/") and name in names:  # a bare file name, e.g. after its folder's path
+                continue
+            if not any(os.path.exists(os.path.join(ROOT, base, name)) for base in ("", "posttrain", "tests", "docs")):
+                missing.append(name)
+    assert missing == []
