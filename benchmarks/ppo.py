@@ -5,7 +5,7 @@
 --prompt random prompt tokens, exactly --max-completion new tokens (no early stop), temperature 1,
 reward = fraction of even token ids in the completion; full fine-tune, AdamW 1e-5.
 A PPO step is the PPO trainer's own step (`PPOTrainer.setup`) with one update per rollout
-(ppo_epochs 1, one mini-batch), so it does what a GRPO step does (sampling on the train state's
+(num_iterations 1, one mini-batch), so it does what a GRPO step does (sampling on the train state's
 weights, rewards, one update) plus PPO's own work: the reference forward for the KL penalty
 (--kl-coef > 0) and the critic (--critic separate: its own Transformer, a forward in the rollout and
 a forward + backward in the step; shared: a value head on the policy). The GRPO step is
@@ -85,7 +85,7 @@ def main():
     grpo = C.from_dict(GRPOConfig, {**common, "grpo": {**sampling, "beta": args.grpo_beta},
                                     "run_dir": os.path.join(tmp, "grpo")})
     critics = ("separate", "shared") if args.critic == "both" else (args.critic,)
-    ppo = {k: C.from_dict(PPOConfig, {**common, "ppo": {**sampling, "ppo_epochs": 1, "kl_coef": args.kl_coef,
+    ppo = {k: C.from_dict(PPOConfig, {**common, "ppo": {**sampling, "num_iterations": 1, "beta": args.kl_coef,
                                                         "critic": k}, "run_dir": os.path.join(tmp, "ppo_" + k)})
            for k in critics}
     rng = np.random.default_rng(0)

@@ -11,9 +11,11 @@ import argparse
 import errno
 import sys
 
-from posttrain import _xla_defaults  # noqa: F401  (before JAX starts)
+from posttrain import (
+    _xla_defaults,  # noqa: F401  (before JAX starts)
+    trainers,
+)
 from posttrain.errors import PosttrainError, RunStopped
-from posttrain.trainers import TRAINERS, recipe_class
 
 
 def _generate(args) -> None:
@@ -44,14 +46,14 @@ def _generate(args) -> None:
 
 def _done(name, r) -> str:
     """The one line a finished training run prints (its recipe's `done_line`)."""
-    return f"[{name}] done: {recipe_class(name).done_line(r)} in {r['seconds']:.1f} s"
+    return f"[{name}] done: {trainers.recipe_class(name).done_line(r)} in {r['seconds']:.1f} s"
 
 
 def _train(args) -> None:
     from posttrain import config as C
     from posttrain.sharding import is_main_process
 
-    recipe = recipe_class(args.command)
+    recipe = trainers.recipe_class(args.command)
     result = recipe(C.load(recipe.config_class, args.config, args.overrides)).train()
     if result.get("finished") or not is_main_process():  # one process reports
         return
@@ -67,7 +69,7 @@ def _plan(args) -> None:
     from posttrain.runs import config_recipe
     from posttrain.train.build import build_tokenizer, memory_plan, model_config
 
-    recipe = recipe_class(config_recipe(args.config))
+    recipe = trainers.recipe_class(config_recipe(args.config))
     cfg = C.load(recipe.config_class, args.config, args.overrides)
     mc = cfg.model
     model_cfg = model_config(mc, build_tokenizer(mc))  # the same ModelConfig the trainer builds
@@ -169,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "float16 (fp16, half)")
     g.add_argument("--text-only", action="store_true", help="a multimodal Gemma 4 folder: its text model only")
     g.set_defaults(func=_generate)
-    for name, (_, helptext) in TRAINERS.items():
+    for name, (_, helptext) in trainers.TRAINERS.items():
         t = sub.add_parser(name, help=helptext)
         t.add_argument("--config", required=True, help=f"YAML file, e.g. configs/{name}_tiny.yaml")
         t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=1e-5 train.steps=100")

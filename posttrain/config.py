@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import math
 import os
 import types
 import typing
@@ -81,9 +82,11 @@ def field_limits(cls, name: str) -> tuple[dict, bool]:
 
 class Section:
     """Base of the config sections: `__post_init__` checks every bounded field (see `Positive`, ...);
-    `key` is the section's name in a config file (errors say `<key>.<field>`)."""
+    `key` is the section's name in a config file (errors say `<key>.<field>`); `aliases` maps a renamed
+    key's old name to its new one (read, with a FutureWarning, until the next release)."""
 
     key: ClassVar[str] = ""
+    aliases: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -112,6 +115,7 @@ def _validate(tp, value, where: str, key: str = ""):
     # tuples, ints for floats, but no "10" for an int and no 0 / 1 for a bool. (On Python input, strict
     # mode wants dataclass instances where YAML gives dicts; pydantic's advice is this JSON round trip.)
     data = json.loads(json.dumps(to_dict(value), default=str))  # a copy (YAML dates as text) to edit below
+    _renamed(tp, data, where, key)
     while True:
         try:
             return _adapter(tp).validate_json(json.dumps(data), strict=True, extra="forbid")
@@ -127,6 +131,32 @@ def _validate(tp, value, where: str, key: str = ""):
                 _at(data, loc[:-1])[loc[-1]] = new
             else:
                 data = new
+
+
+def _renamed(tp, data, where: str, key: str = "") -> None:
+    """Renamed keys (a section's `aliases`) given by their old names: moved to the new ones in place, each
+    with a FutureWarning; both names at once is an error. Recurses into the sections."""
+    tp = _optional_arg(tp) or tp
+    if not (dataclasses.is_dataclass(tp) and isinstance(data, dict)):
+        return
+    for old, new in getattr(tp, "aliases", {}).items():
+        if old in data:
+            dotted = f"{key}.{old}" if key else old
+            if new in data:
+                raise PosttrainError(f"{where}: '{dotted}' is the old name of '{new}', which is set too; keep '{new}'")
+            _warn_renamed(where, dotted, new)
+            data[new] = data.pop(old)
+    hints = typing.get_type_hints(tp)
+    for name, sub in data.items():
+        if name in hints:
+            _renamed(hints[name], sub, where, f"{key}.{name}" if key else name)
+
+
+def _warn_renamed(where: str, dotted: str, new: str) -> None:
+    import warnings
+
+    warnings.warn(f"{where}: '{dotted}' is now called '{new}'; the old name is read until the next release",
+                  FutureWarning, stacklevel=4)
 
 
 def _eased(tp, err):
@@ -169,7 +199,7 @@ def _error(tp, errors: list[dict], data, where: str, key: str) -> PosttrainError
     for err in errors:
         if err["type"] == "unexpected_keyword_argument":
             section, section_tp = _walk(tp, err["loc"][:-1], key)
-            return _unknown_key(where, f"{section}." if section else "", err["loc"][-1], _field_names(section_tp))
+            return unknown_key(where, f"{section}." if section else "", err["loc"][-1], _field_names(section_tp))
     missing = [_walk(tp, err["loc"], key)[0] for err in errors if err["type"] == "missing"]
     if missing:
         keys = ", ".join(f"'{k}'" for k in missing)
@@ -200,7 +230,8 @@ def _error(tp, errors: list[dict], data, where: str, key: str) -> PosttrainError
                           f"({type(value).__name__}){hint}")
 
 
-def _unknown_key(where: str, prefix: str, key: str, known: Sequence[str]) -> PosttrainError:
+def unknown_key(where: str, prefix: str, key: str, known: Sequence[str]) -> PosttrainError:
+    """The error for an unknown key: where, the dotted key, the known keys at that level, did you mean ..."""
     dotted = f"{prefix}{key}"
     scope = f"under {prefix[:-1]}" if prefix else "at the top level"
     msg = f"{where}: unknown key '{dotted}' (known keys {scope}: {', '.join(known)}"
@@ -239,19 +270,25 @@ def from_dict(cls: type[T], data: Mapping, where: str = "config") -> T:
     return _validate(cls, data, where)
 
 
-def _apply_override(cls, data: dict, item: str) -> None:
-    """Set one `a.b.c=value` override in `data` (in place), validating the key path against `cls`."""
+def parse_override(item: str, example: str = "optim.lr=1e-5") -> tuple[str, object]:
+    """(dotted key, value) of one command-line `key=value` (the value read as YAML: numbers, lists, null)."""
     where = "command line"
     if "=" not in item:
         raise PosttrainError(f"{where}: override {item!r} has no '='; expected the form key=value, "
-                             f"e.g. optim.lr=1e-5")
+                             f"e.g. {example}")
     dotted, raw = (s.strip() for s in item.split("=", 1))
     try:
-        value = yaml.safe_load(raw) if raw else None
+        return dotted, yaml.safe_load(raw) if raw else None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e)
         raise PosttrainError(f"{where}: cannot parse the value of {item!r} as YAML ({problem}); quote "
                              f"strings that contain YAML syntax, e.g. key='a: b'") from None
+
+
+def _apply_override(cls, data: dict, item: str) -> None:
+    """Set one `a.b.c=value` override in `data` (in place), validating the key path against `cls`."""
+    where = "command line"
+    dotted, value = parse_override(item)
     parts, node, tp, prefix = dotted.split("."), data, cls, ""
     for i, part in enumerate(parts):
         last = i == len(parts) - 1
@@ -263,8 +300,11 @@ def _apply_override(cls, data: dict, item: str) -> None:
             tp = typing.get_args(tp)[1]
         else:
             names = _field_names(tp)
+            if part not in names and part in getattr(tp, "aliases", {}):  # a renamed key, by its old name
+                _warn_renamed(where, f"{prefix}{part}", tp.aliases[part])
+                part = tp.aliases[part]
             if part not in names:
-                raise _unknown_key(where, prefix, part, names)
+                raise unknown_key(where, prefix, part, names)
             tp = typing.get_type_hints(tp)[part]
         if last:
             # Type-check now so a bad value is blamed on the command line, not on the YAML file.
@@ -325,23 +365,29 @@ def _decode_error(path, e: UnicodeDecodeError) -> PosttrainError:
                           f"{e.reason}); re-save it as UTF-8")
 
 
+def read_yaml(path: str | os.PathLike, what: str = "config file"):
+    """The YAML document in file `path` (None when empty); a missing or unreadable file, one not in UTF-8,
+    a syntax error or a key given twice is a PosttrainError naming the file (and the line)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return load_yaml(f, path)
+    except OSError as e:  # missing file, a folder, no permission
+        raise PosttrainError(f"cannot read {what} {path}: {e.strerror} (check the path)") from None
+    except UnicodeDecodeError as e:  # UTF-16, Latin-1, ...
+        raise _decode_error(path, e) from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        loc = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise PosttrainError(f"{loc}: YAML syntax error: {problem} (fix the file at that line)") from None
+
+
 def load(cls: type[T], path: str | os.PathLike | None, overrides: Sequence[str] = ()) -> T:
     """Read YAML `path` (None: start empty), apply dotted `key=value` overrides, build `cls`.
     A key given twice in one mapping of the file is an error naming it and its line."""
     data: dict = {}
     if path is not None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = load_yaml(f, path)
-        except OSError as e:  # missing file, a folder, no permission
-            raise PosttrainError(f"cannot read config file {path}: {e.strerror} (check the path)") from None
-        except UnicodeDecodeError as e:  # UTF-16, Latin-1, ...
-            raise _decode_error(path, e) from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            loc = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-            problem = getattr(e, "problem", None) or str(e)
-            raise PosttrainError(f"{loc}: YAML syntax error: {problem} (fix the file at that line)") from None
+        data = read_yaml(path)
         data = {} if data is None else data  # an empty file is an empty config
         if not isinstance(data, dict):
             raise PosttrainError(f"{path}: the top level must be a mapping of keys "
@@ -382,7 +428,7 @@ class ModelSection(Section):
     # activation dtype; None = dtype, "bfloat16" for mixed precision
     compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     remat: bool = False  # rematerialise each layer in the backward pass (less memory, ~30% more compute)
-    seed: Seed = 0  # PRNG seed for preset initialisation; default 0
+    seed: Seed = 0  # PRNG seed of a preset's weights, LoRA adapters (and their dropout) and new heads
     # model.path is a multimodal Gemma 4 folder (model_type gemma4): load its text model only (the
     # vision and audio towers are not supported); default false
     text_only: bool = False
@@ -444,7 +490,7 @@ class PromptDataSection(Section):
     max_prompt_length: AtLeast1 = 256  # the sampler's prompt budget in tokens; longer prompts are row errors
     skip_bad_rows: bool = False  # skip (and count) bad rows instead of raising
     shuffle: bool = True  # shuffle the prompt stream every epoch
-    seed: Seed = 0  # shuffle seed
+    seed: Seed = 0  # seed of the prompt stream's shuffle and of the rollouts' sampling keys
 
 
 
@@ -486,7 +532,7 @@ class TrainSection(Section):
     micro_batch_size: AtLeast1 | None = None  # sequences per forward/backward; None = batch_size
     log_every: Count = 10  # steps between metric logs; default 10
     eval_every: Count = 0  # steps between evaluations; 0 = off; default 0
-    seed: Seed = 0  # PRNG seed for dropout and sampling; default 0
+    seed: Seed = 0  # the train state's PRNG key (handed to the loss as rng) and distill's teacher sampling
     max_nonfinite: AtLeast1 = 3  # halt after this many non-finite (NaN/Inf) steps in a row; each is skipped
 
     def __post_init__(self):
@@ -559,8 +605,11 @@ class ShardingSection(Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SFTConfig:
-    model: ModelSection  # which model to fine-tune (required)
+class RunConfig:
+    """The sections every training run has; each recipe's config extends it (re-declaring `data` with its
+    own data section, `run_dir` with its default) and adds its own section."""
+
+    model: ModelSection  # the model to train: a HF folder or a preset (required)
     data: DataSection  # training data (required)
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)  # AdamW + lr schedule
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)  # adapters; off by default
@@ -569,4 +618,49 @@ class SFTConfig:
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)  # metric sinks, MFU
     profile: ProfileSection = dataclasses.field(default_factory=ProfileSection)  # JAX profiler window
     sharding: ShardingSection = dataclasses.field(default_factory=ShardingSection)  # device mesh
+    run_dir: str = "runs/run"  # folder for checkpoints, logs and the saved config
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig(RunConfig):
     run_dir: str = "runs/sft"  # folder for checkpoints, logs and the saved config; default runs/sft
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Sampling(Section):
+    """The sampling settings of an RL section (grpo, ppo): flattened into it, so the keys are grpo.temperature ..."""
+
+    num_generations: AtLeast1 = 8  # samples per prompt
+    max_new_tokens: AtLeast1 = 64  # completion budget per sample
+    temperature: Positive = 1.0  # sampling temperature (the loss uses the same one)
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0  # nucleus sampling; 1 = off
+    top_k: Count = 0  # top-k sampling; 0 = off
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Rewards(Section):
+    """The reward settings of an RL section (grpo, ppo; `rewards.registry` reads them), flattened into it."""
+
+    # reward -> weight: built-ins (math_answer, last_number, countdown, code_tests, format, overlong,
+    # reward_model) or "module:function"
+    rewards: dict[str, float] = dataclasses.field(default_factory=lambda: {"math_answer": 1.0})
+    format_pattern: str | None = None  # regex for the "format" reward (full match)
+    overlong_cache: Count = 0  # DAPO soft overlong penalty: tokens of the soft zone before max_new_tokens
+    reward_model: str | None = None  # a *ForSequenceClassification folder for the "reward_model" reward
+    reward_timeout_s: Positive | None = 60.0  # a reward call running longer counts as failed
+    # where code_tests runs model-written code: auto (bwrap, else a fresh uid as root), bwrap, uid, or
+    # unsafe_inprocess_guard (a Python-level guard only; warns). See posttrain/sandbox and docs/security.md
+    sandbox: str = "auto"
+    on_reward_error: Literal["zero", "drop"] = "zero"  # failed reward: 0, or drop the samples from the loss
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.rewards:
+            raise PosttrainError(f"{self.key}.rewards is empty; name at least one reward function, e.g. "
+                                 "{math_answer: 1.0}")
+        for name, w in self.rewards.items():
+            if not math.isfinite(w):
+                raise PosttrainError(f"{self.key}.rewards.{name}: the weight must be a finite number, got {w}")
+        if self.overlong_cache > getattr(self, "max_new_tokens", self.overlong_cache):
+            raise PosttrainError(f"{self.key}.overlong_cache must be in [0, {self.key}.max_new_tokens="
+                                 f"{self.max_new_tokens}], got {self.overlong_cache}")

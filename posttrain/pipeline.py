@@ -178,23 +178,14 @@ class Pipeline:
     def from_yaml(cls, path: str, overrides: Sequence[str] = (), progress: bool = True) -> "Pipeline":
         """A pipeline file (keys run_dir, model, sharding, defaults, stages); `overrides` are dotted
         `key=value` strings: `run_dir=...`, `model.path=...`, or `STAGE.section.key=...` for a stage."""
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-            data = C.load_yaml(text, path)  # a key given twice is an error naming its line
-            root = yaml.compose(text)
-        except OSError as e:
-            raise PosttrainError(f"cannot read pipeline file {path}: {e.strerror} (check the path)") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            loc = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-            raise PosttrainError(f"{loc}: YAML syntax error: {getattr(e, 'problem', None) or e} "
-                                 "(fix the file at that line)") from None
+        data = C.read_yaml(path, "pipeline file")  # a key given twice is an error naming its line
+        with open(path, encoding="utf-8") as fh:
+            root = yaml.compose(fh)  # the nodes: each stage's line, for error messages
         if not isinstance(data, dict):
             raise PosttrainError(f"{path}: the top level must be a mapping of keys ({', '.join(TOP_KEYS)})")
         for key in data:
             if key not in TOP_KEYS:
-                raise C._unknown_key(str(path), "", key, TOP_KEYS)
+                raise C.unknown_key(str(path), "", key, TOP_KEYS)
         lines = []
         for k, v in root.value:  # the line of each stage, for error messages
             if k.value == "stages" and isinstance(v, yaml.SequenceNode):
@@ -323,23 +314,14 @@ def _apply_overrides(data: dict, overrides: Sequence[str]) -> None:
         if isinstance(s, dict):
             names[s.get("name") or s.get("task")] = s
     for item in overrides:
-        if "=" not in item:
-            raise PosttrainError(f"command line: override {item!r} has no '='; expected key=value, e.g. "
-                                 "sft.train.steps=100")
-        dotted, raw = (x.strip() for x in item.split("=", 1))
-        try:
-            value = yaml.safe_load(raw) if raw else None
-        except yaml.YAMLError as e:
-            raise PosttrainError(f"command line: cannot parse the value of {item!r} as YAML "
-                                 f"({getattr(e, 'problem', None) or e}); quote strings that contain YAML syntax, "
-                                 "e.g. key='a: b'") from None
+        dotted, value = C.parse_override(item, example="sft.train.steps=100")
         head, *rest = dotted.split(".")
         if head in names and rest:
             node = names[head]
         elif head in TOP_KEYS and head != "stages":
             node, rest = data, [head, *rest]
         else:
-            raise C._unknown_key("command line", "", head, [k for k in TOP_KEYS if k != "stages"] + list(names))
+            raise C.unknown_key("command line", "", head, [k for k in TOP_KEYS if k != "stages"] + list(names))
         for p in rest[:-1]:
             if not isinstance(node.get(p), dict):
                 node[p] = {} if node.get(p) is None else node[p]
@@ -351,12 +333,9 @@ def _apply_overrides(data: dict, overrides: Sequence[str]) -> None:
 
 def _read_yaml(path: str, where: str) -> dict:
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = C.load_yaml(fh, path) or {}
-    except OSError as e:
-        raise PosttrainError(f"{where}: cannot read its config file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise PosttrainError(f"{where}: {path} is not valid YAML: {e}") from None
+        data = C.read_yaml(path, "its config file") or {}
+    except PosttrainError as e:
+        raise PosttrainError(f"{where}: {e}") from None
     if not isinstance(data, dict):
         raise PosttrainError(f"{where}: {path} must hold a mapping of config keys")
     data.pop("run_dir", None)  # the pipeline places every stage

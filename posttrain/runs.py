@@ -19,6 +19,7 @@ import yaml
 from flax import nnx
 
 from posttrain import config as C
+from posttrain import trainers
 from posttrain.errors import PosttrainError
 from posttrain.models import save_pretrained
 from posttrain.models.hf import canonical_dtype, check_export_target
@@ -26,7 +27,7 @@ from posttrain.models.lora import merge_lora
 from posttrain.train.build import build_tokenizer
 from posttrain.train.lifecycle import RUN_FILE, WEIGHTS
 from posttrain.train.serialize import load_state
-from posttrain.trainers import TRAINERS, guess_recipe, recipe_class
+from posttrain.trainers import guess_recipe, recipe_class
 
 
 def config_recipe(cfg_file: str) -> str:
@@ -49,9 +50,9 @@ def run_recipe(run_dir: str) -> str:
                 name = json.load(fh).get("recipe")
         except (OSError, ValueError, AttributeError):
             name = None
-        if name not in TRAINERS:
+        if name not in trainers.TRAINERS:
             raise PosttrainError(f"{path}: not a run file of this posttrain (recipe {name!r}); it should read "
-                                 f'{{"recipe": one of {", ".join(TRAINERS)}}}')
+                                 f'{{"recipe": one of {", ".join(trainers.TRAINERS)}}}')
         return name
     return config_recipe(os.path.join(run_dir, "config.yaml"))
 

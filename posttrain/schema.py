@@ -33,13 +33,21 @@ _FIELD = re.compile(r"^(\s+)(\w+)\s*:")
 
 
 def _descriptions(cls) -> dict[str, str]:
-    """field name -> its comment in the class source: the comment at the end of its line, else the comment
-    lines right above it (for fields whose type and default fill the line)."""
+    """field name -> its comment in the source of the class that declares it (a base class for inherited
+    fields): the comment at the end of its line, else the comment lines right above it."""
+    out = {}
+    for klass in reversed(getattr(cls, "__mro__", (cls,))):
+        if dataclasses.is_dataclass(klass):
+            out.update(_own_descriptions(klass))
+    return out
+
+
+def _own_descriptions(cls) -> dict[str, str]:
     try:
         lines = inspect.getsource(cls).splitlines()
     except (OSError, TypeError):
         return {}
-    names = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    names = {f.name for f in dataclasses.fields(cls)}
     out, above = {}, []
     for line in lines:
         stripped = line.strip()

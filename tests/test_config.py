@@ -252,3 +252,19 @@ def test_strict_types_and_the_yaml_habits_that_are_eased():
     assert from_dict(_Maps, {"layers": {0: 3, 1: 5}}).layers == {0: 3, 1: 5}
     raises(["'layers' must be a mapping of int to int", "{'a': 1}"], from_dict, _Maps, {"layers": {"a": 1}})
     raises(["the top level must be a mapping of keys (layers)", "[1]"], from_dict, _Maps, [1])
+
+
+def test_renamed_keys_are_read_by_their_old_names_with_a_warning(tmp_path):
+    """ppo.kl_coef and ppo.ppo_epochs are now ppo.beta and ppo.num_iterations (GRPO's names for the KL weight
+    and the passes over a rollout): the old names still load, for one release, with a FutureWarning."""
+    from posttrain.trainers.ppo import PPOConfig
+
+    path = write(tmp_path, "model: {preset: tiny}\ndata: {train: t.jsonl}\nppo: {kl_coef: 0.2, ppo_epochs: 3}\n")
+    with pytest.warns(FutureWarning, match=r"'ppo.kl_coef' is now called 'beta'"):
+        cfg = load(PPOConfig, path)
+    assert (cfg.ppo.beta, cfg.ppo.num_iterations) == (0.2, 3)
+    with pytest.warns(FutureWarning, match="'ppo.ppo_epochs' is now called 'num_iterations'"):
+        cfg = load(PPOConfig, None, ["model.preset=tiny", "data.train=t", "ppo.ppo_epochs=4"])
+    assert cfg.ppo.num_iterations == 4
+    both = write(tmp_path, "model: {preset: tiny}\ndata: {train: t.jsonl}\nppo: {kl_coef: 0.2, beta: 0.1}\n")
+    raises(["'ppo.kl_coef' is the old name of 'beta', which is set too"], load, PPOConfig, both)

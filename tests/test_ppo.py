@@ -31,8 +31,8 @@ PROMPTS = os.path.join(HERE, "data", "grpo_addition.jsonl")
 def config(tmp_path, **over) -> PPOConfig:
     d = {"model": {"preset": "tiny-student"},
          "data": {"train": PROMPTS, "max_prompt_length": 8},
-         "ppo": {"num_generations": 2, "max_new_tokens": 4, "ppo_epochs": 2, "mini_batch_size": 2,
-                 "kl_coef": 0.05, "kl_target": 0.02, "kl_horizon": 100, "rewards": {"last_number": 1.0}},
+         "ppo": {"num_generations": 2, "max_new_tokens": 4, "num_iterations": 2, "mini_batch_size": 2,
+                 "beta": 0.05, "kl_target": 0.02, "kl_horizon": 100, "rewards": {"last_number": 1.0}},
          "lora": {"enabled": True, "rank": 4},
          "optim": {"lr": 1e-3, "schedule": "constant"},
          "train": {"steps": 4, "batch_size": 4, "log_every": 1},

@@ -103,8 +103,8 @@ def test_ppo_raises_the_reward_of_an_sft_model_within_the_kl_target(tmp_path, sf
     target = 0.1
     cfg = C.from_dict(PPOConfig, {
         "model": {"path": sft_addition}, "data": {"train": prompts, "max_prompt_length": 8},
-        "ppo": {"num_generations": 4, "max_new_tokens": 4, "ppo_epochs": 2, "mini_batch_size": 16,
-                "temperature": 0.7, "kl_coef": 0.3, "kl_target": target, "kl_horizon": 1000,
+        "ppo": {"num_generations": 4, "max_new_tokens": 4, "num_iterations": 2, "mini_batch_size": 16,
+                "temperature": 0.7, "beta": 0.3, "kl_target": target, "kl_horizon": 1000,
                 "rewards": {"last_number": 1.0}},
         "lora": {"enabled": True, "rank": 8}, "optim": {"lr": 1e-3, "schedule": "constant"},
         "train": {"steps": 160, "batch_size": 32, "log_every": 4}, "metrics": {"sinks": ["jsonl"]},

@@ -17,7 +17,6 @@ from posttrain.losses.advantages import (
     weighted_rewards,
 )
 from posttrain.losses.distill import (
-    DistillationLoss,
     attention_transfer_loss,
     check_layer_map,
     check_pool_size,
@@ -62,7 +61,6 @@ __all__ = [
     "value_loss",
     "token_rewards",
     # distillation
-    "DistillationLoss",
     "attention_transfer_loss",
     "check_layer_map",
     "check_pool_size",

@@ -39,7 +39,6 @@ DistilBERT, Sanh et al. 2019 (1910.01108, cosine hidden-state loss); FitNets, Ro
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -50,7 +49,6 @@ from posttrain.errors import PosttrainError
 LOGIT_KINDS = ("forward_kl", "reverse_kl", "jsd")
 ATTENTION_KINDS = ("mse", "kl")
 FEATURE_KINDS = ("l2", "cosine")
-STRATEGIES = ("logit", "attention", "feature")
 _REDUCTIONS = ("mean", "sum")
 
 
@@ -362,85 +360,3 @@ def feature_pool_loss(student_hidden, teacher_hidden, mask=None, *, pool_size=No
         per_tok = per_tok + jnp.where(w != 0, tok, 0)
     value, denom = _masked(per_tok / len(pairs), w, reduction)
     return weight * value, {"feature_loss": value, "denom": denom}
-
-
-# --------------------------------------------------------------------------- the combined callable
-
-
-class DistillationLoss:
-    """One distillation objective for a custom loop: a sum of the chosen strategies' losses.
-
-    DistillationLoss(strategy="logit" | "attention" | "feature" | a tuple of them, *,
-                     temperature=2.0, alpha=0.5, kind="forward_kl", beta=0.5, top_k=None,     # logit
-                     layer_map=None, attention_kind="mse", attention_weight=1.0,          # attention
-                     feature_layer_map=None, pool_size=None, feature_kind="l2",
-                     feature_weight=1.0,                                                   # feature
-                     reduction="mean")
-    loss, metrics = dl(mask=..., student_logits=..., teacher_logits=..., labels=...,
-                       student_attn=..., teacher_attn=..., student_hidden=...,
-                       teacher_hidden=..., projection=None)
-    Each strategy needs only its own arrays (logit: logits (+ labels unless alpha = 1); attention:
-    per-layer attention lists; feature: hidden states (lists when `feature_layer_map` is set) and
-    `projection` when learned). The loss is the sum of the strategies' (weighted) losses; metrics
-    merge theirs (`kl`, `ce`, `top1_agreement`, `attn_loss`, `feature_loss`) plus `loss` and `denom`.
-    Configuration errors (unknown strategy or kind, bad numbers) raise PosttrainError at
-    construction; layer maps and pool sizes are checked against the arrays on the first call.
-    Every setting is a static Python value: call it inside the jitted loss function.
-    """
-
-    def __init__(self, strategy="logit", *, temperature=2.0, alpha=0.5, kind="forward_kl", beta=0.5, top_k=None,
-                 layer_map=None, attention_kind="mse", attention_weight=1.0, feature_layer_map=None,
-                 pool_size=None, feature_kind="l2", feature_weight=1.0, reduction="mean"):
-        strategies = (strategy,) if isinstance(strategy, str) else tuple(strategy)
-        bad = [s for s in strategies if s not in STRATEGIES]
-        if bad or not strategies:
-            raise PosttrainError(f"distill strategy={strategy!r}; expected one of {list(STRATEGIES)} or a tuple")
-        _check_beta_temperature(beta, temperature, "distill")
-        _check_reduction(reduction, "distill")
-        if kind not in LOGIT_KINDS:
-            raise PosttrainError(f"distill kind={kind!r}; expected one of {list(LOGIT_KINDS)}")
-        if not 0.0 <= alpha <= 1.0:
-            raise PosttrainError(f"distill alpha={alpha} must be in [0, 1]")
-        if attention_kind not in ATTENTION_KINDS:
-            raise PosttrainError(f"distill attention_kind={attention_kind!r}; expected one of {list(ATTENTION_KINDS)}")
-        if feature_kind not in FEATURE_KINDS:
-            raise PosttrainError(f"distill feature_kind={feature_kind!r}; expected one of {list(FEATURE_KINDS)}")
-        if "attention" in strategies and not layer_map:
-            raise PosttrainError("distill strategy 'attention' needs layer_map {student layer: teacher layer}")
-        for name, v in (("attention_weight", attention_weight), ("feature_weight", feature_weight)):
-            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
-                raise PosttrainError(f"distill {name}={v!r} must be a finite number >= 0")
-        self.strategies = strategies
-        self.temperature, self.alpha, self.kind, self.beta, self.top_k = temperature, alpha, kind, beta, top_k
-        self.layer_map, self.attention_kind, self.attention_weight = layer_map, attention_kind, attention_weight
-        self.feature_layer_map, self.pool_size = feature_layer_map, pool_size
-        self.feature_kind, self.feature_weight, self.reduction = feature_kind, feature_weight, reduction
-
-    def __call__(self, *, mask=None, student_logits=None, teacher_logits=None, labels=None, student_attn=None,
-                 teacher_attn=None, student_hidden=None, teacher_hidden=None, projection=None):
-        def need(name, value, strategy):
-            if value is None:
-                raise PosttrainError(f"distill strategy {strategy!r} needs {name}")
-            return value
-
-        total, metrics = 0.0, {}
-        if "logit" in self.strategies:
-            loss, m = logit_distill_loss(
-                need("student_logits", student_logits, "logit"), need("teacher_logits", teacher_logits, "logit"),
-                labels, mask, temperature=self.temperature, alpha=self.alpha, kind=self.kind, beta=self.beta,
-                top_k=self.top_k, reduction=self.reduction)
-            total, metrics = total + loss, {**metrics, **m}
-        if "attention" in self.strategies:
-            loss, m = attention_transfer_loss(
-                need("student_attn", student_attn, "attention"), need("teacher_attn", teacher_attn, "attention"),
-                self.layer_map, mask, weight=self.attention_weight, kind=self.attention_kind,
-                reduction=self.reduction)
-            total, metrics = total + loss, {**metrics, **m}
-        if "feature" in self.strategies:
-            loss, m = feature_pool_loss(
-                need("student_hidden", student_hidden, "feature"), need("teacher_hidden", teacher_hidden, "feature"),
-                mask, pool_size=self.pool_size, projection=projection, kind=self.feature_kind,
-                layer_map=self.feature_layer_map, weight=self.feature_weight, reduction=self.reduction)
-            total, metrics = total + loss, {**metrics, **m}
-        metrics["loss"] = total
-        return total, metrics

@@ -11,7 +11,7 @@ prefix-shared group rows with the sampler's log-probs as the old log-probs) that
      2019, arXiv 1909.08593, §2.2; verl's / TRL's AdaptiveKLController), updated after each
      rollout with the rollout's mean per-token KL;
   3. `losses.ppo.gae` and, optionally, `masked_whiten` of the advantages over the batch's tokens;
-  4. `ppo_epochs` passes over the rollout in shuffled mini-batches of `mini_batch_size` rows
+  4. `num_iterations` passes over the rollout in shuffled mini-batches of `mini_batch_size` rows
      (rollout r, epoch e: permutation np.random.default_rng((seed, r, e))), one train step each.
 The rollout in use and the KL coefficient are saved in the checkpoint (`get_state`), so a killed
 run resumes exactly. `metrics()` adds reward/score, kl, kl_coef, returns/mean, values/mean,
@@ -69,12 +69,12 @@ class AdaptiveKL(FixedKL):
 
 class PPORollout(GroupRollout):
     def __init__(self, *args, prepare: Callable, kl_controller: FixedKL, kl_estimator: str = "k1",
-                 gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, ppo_epochs: int = 1,
+                 gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, num_iterations: int = 1,
                  mini_batch_size: Optional[int] = None, missing_eos_penalty: Optional[float] = None, **kwargs):
         super().__init__(*args, scale="none", **kwargs)
         self.prepare, self.kl, self.estimator = prepare, kl_controller, kl_estimator
         self.gamma, self.lam, self.whiten, self.eos_penalty = gamma, lam, whiten, missing_eos_penalty
-        self.epochs, self.mini = ppo_epochs, mini_batch_size or self.batch_size
+        self.epochs, self.mini = num_iterations, mini_batch_size or self.batch_size
         self.per_epoch = self.batch_size // self.mini
         self.mu = self.epochs * self.per_epoch  # train steps served by one rollout
         self._gae = jax.jit(self._advantages)

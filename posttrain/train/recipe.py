@@ -15,8 +15,8 @@ run `run_model(config, tok)` rebuilds the module whose weights `trainable.safete
 `exported(config, model)` picks what `posttrain export` writes (`posttrain.runs`).
 `plan_rows(config)` gives `posttrain plan` the row length and the sampler's KV-cache tokens.
 
-A new trainer touches only its module, its entry in `posttrain.trainers.TRAINERS` and its docs
-(docs/ARCHITECTURE.md shows one).
+A new trainer is one module under `posttrain/trainers/` (found by its `name` and `help`), its config
+and its docs (docs/ARCHITECTURE.md shows one).
 
 What it is not: the loop (`train.loop`), the run folder (`train.lifecycle`) or a loss (`losses/`).
 """
@@ -86,7 +86,8 @@ def lora_reference(loss_fn: Callable) -> Callable:
 class Recipe:
     """Base of every trainer: `Trainer(config).train()`; see the module docstring."""
 
-    name: ClassVar[str] = ""
+    name: ClassVar[str] = ""  # the CLI subcommand; with `help`, how `trainers.TRAINERS` finds the recipe
+    help: ClassVar[str] = ""  # the one line `posttrain --help` shows
     config_class: ClassVar[type]
     # An RL recipe: the policy samples while it trains (one process for now; no LoRA dropout, which would
     # make the sampler's policy differ from the trainer's), its loss normalises over the whole batch (no

@@ -85,23 +85,17 @@ class DistillSection(C.Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DistillConfig:
+class DistillConfig(C.RunConfig):
     model: C.ModelSection  # the student (required)
     teacher: C.ModelSection  # the frozen teacher: path or preset; the same tokenizer as the student (required)
     data: C.DataSection  # SFT rows (offline), or prompts (teacher_generated / on_policy) (required)
     distill: DistillSection = dataclasses.field(default_factory=DistillSection)  # losses and data mode
-    optim: C.OptimSection = dataclasses.field(default_factory=C.OptimSection)  # AdamW + lr schedule
-    lora: C.LoraSection = dataclasses.field(default_factory=C.LoraSection)  # student adapters; off by default
-    train: C.TrainSection = dataclasses.field(default_factory=C.TrainSection)  # steps, batch, logging
-    checkpoint: C.CheckpointSection = dataclasses.field(default_factory=C.CheckpointSection)  # save / resume
-    metrics: C.MetricsSection = dataclasses.field(default_factory=C.MetricsSection)  # metric sinks, MFU
-    profile: C.ProfileSection = dataclasses.field(default_factory=C.ProfileSection)  # JAX profiler window
-    sharding: C.ShardingSection = dataclasses.field(default_factory=C.ShardingSection)  # device mesh
     run_dir: str = "runs/distill"  # folder for checkpoints, logs, the config and teacher samples
 
 
 class DistillTrainer(Recipe):
     name = "distill"
+    help = "knowledge distillation of a teacher into a student"
     config_class = DistillConfig
 
     def check(self) -> None:

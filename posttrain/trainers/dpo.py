@@ -63,22 +63,16 @@ class DPOSection(C.Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DPOConfig:
+class DPOConfig(C.RunConfig):
     model: C.ModelSection  # the policy to train (also the reference's initial weights; required)
     data: C.PreferenceDataSection  # preference pairs (required)
     dpo: DPOSection = dataclasses.field(default_factory=DPOSection)  # loss type, beta, reference mode
-    optim: C.OptimSection = dataclasses.field(default_factory=C.OptimSection)  # AdamW + lr schedule
-    lora: C.LoraSection = dataclasses.field(default_factory=C.LoraSection)  # adapters; off by default
-    train: C.TrainSection = dataclasses.field(default_factory=C.TrainSection)  # steps, batch = pairs
-    checkpoint: C.CheckpointSection = dataclasses.field(default_factory=C.CheckpointSection)  # save / resume
-    metrics: C.MetricsSection = dataclasses.field(default_factory=C.MetricsSection)  # metric sinks, MFU
-    profile: C.ProfileSection = dataclasses.field(default_factory=C.ProfileSection)  # JAX profiler window
-    sharding: C.ShardingSection = dataclasses.field(default_factory=C.ShardingSection)  # device mesh
     run_dir: str = "runs/dpo"  # folder for checkpoints, logs, the config and cached ref log-probs
 
 
 class DPOTrainer(Recipe):
     name = "dpo"
+    help = "direct preference optimisation (DPO family) from a YAML config"
     config_class = DPOConfig
 
     def load(self) -> None:

@@ -27,10 +27,9 @@ What it is not: PPO (no critic), or a server-based (vLLM) rollout.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Annotated, Literal, Optional
 
-from annotated_types import Ge, Interval
+from annotated_types import Ge
 from flax import nnx
 
 from posttrain import config as C
@@ -50,14 +49,13 @@ from posttrain.train.recipe import Parts, Recipe, lora_reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GRPOSection(C.Section):
+class GRPOSection(C.Sampling, C.Rewards):
+    """Sampling (num_generations, max_new_tokens, temperature, top_p, top_k) and rewards (rewards, sandbox,
+    ...) as every RL section has them (`config.Sampling`, `config.Rewards`), then GRPO's loss."""
+
     key = "grpo"
 
     num_generations: Annotated[int, Ge(2)] = 8  # samples per prompt (the group size n; advantages compare them)
-    max_new_tokens: C.AtLeast1 = 64  # completion budget per sample
-    temperature: C.Positive = 1.0  # sampling temperature (the loss uses the same one)
-    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0  # nucleus sampling; 1 = off
-    top_k: C.Count = 0  # top-k sampling; 0 = off
     num_iterations: C.AtLeast1 = 1  # μ: optimisation steps per rollout batch
     # the policy loss (TRL 1.16's loss_type): token / sequence normalisation, clipping variant
     loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
@@ -67,44 +65,15 @@ class GRPOSection(C.Section):
     beta: C.NonNegative = 0.0  # KL weight to the reference; 0 = no reference forward
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence = GSPO
     scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage scaling (TRL's scale_rewards)
-    # reward -> weight: built-ins (math_answer, last_number, countdown, code_tests, format, overlong,
-    # reward_model) or "module:function"
-    rewards: dict[str, float] = dataclasses.field(default_factory=lambda: {"math_answer": 1.0})
-    format_pattern: Optional[str] = None  # regex for the "format" reward (full match)
-    overlong_cache: C.Count = 0  # DAPO soft overlong penalty: tokens of the soft zone before max_new_tokens
-    reward_model: Optional[str] = None  # a *ForSequenceClassification folder for the "reward_model" reward
-    reward_timeout_s: Optional[C.Positive] = 60.0  # a reward call running longer counts as failed
-    # where code_tests runs model-written code: auto (bwrap, else a fresh uid as root), bwrap, uid, or
-    # unsafe_inprocess_guard (a Python-level guard only; warns). See posttrain/sandbox and docs/security.md
-    sandbox: str = "auto"
-    on_reward_error: Literal["zero", "drop"] = "zero"  # failed reward: 0, or drop the samples from the loss
     dynamic_sampling: bool = False  # DAPO: replace groups whose rewards do not vary
     max_refills: C.Count = 3  # dynamic sampling: extra rollouts per step at most
 
-    def __post_init__(self):
-        super().__post_init__()
-        if not self.rewards:
-            raise PosttrainError("grpo.rewards is empty; name at least one reward function, e.g. {math_answer: 1.0}")
-        for name, w in self.rewards.items():
-            if not math.isfinite(w):
-                raise PosttrainError(f"grpo.rewards.{name}: the weight must be a finite number, got {w}")
-        if self.overlong_cache > self.max_new_tokens:
-            raise PosttrainError(f"grpo.overlong_cache must be in [0, grpo.max_new_tokens={self.max_new_tokens}], "
-                                 f"got {self.overlong_cache}")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GRPOConfig:
+class GRPOConfig(C.RunConfig):
     model: C.ModelSection  # the policy (required)
     data: C.PromptDataSection  # prompts (required)
     grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)  # sampling, loss, rewards
-    optim: C.OptimSection = dataclasses.field(default_factory=C.OptimSection)  # AdamW + lr schedule
-    lora: C.LoraSection = dataclasses.field(default_factory=C.LoraSection)  # adapters; off by default
-    train: C.TrainSection = dataclasses.field(default_factory=C.TrainSection)  # steps; batch = prompts per step
-    checkpoint: C.CheckpointSection = dataclasses.field(default_factory=C.CheckpointSection)  # save / resume
-    metrics: C.MetricsSection = dataclasses.field(default_factory=C.MetricsSection)  # metric sinks, MFU
-    profile: C.ProfileSection = dataclasses.field(default_factory=C.ProfileSection)  # JAX profiler window
-    sharding: C.ShardingSection = dataclasses.field(default_factory=C.ShardingSection)  # device mesh
     env: EnvSection = dataclasses.field(default_factory=EnvSection)  # multi-turn tool episodes; off by default
     tools: ToolsSection = dataclasses.field(default_factory=ToolsSection)  # the tools episodes may call
     run_dir: str = "runs/grpo"  # folder for checkpoints, logs and the saved config
@@ -121,6 +90,7 @@ class GRPOConfig:
 
 class GRPOTrainer(Recipe):
     name = "grpo"
+    help = "GRPO-family RL with reward functions from a YAML config"
     config_class = GRPOConfig
 
     samples = True

@@ -6,7 +6,7 @@ step over both (`rl/ppo.make_ppo_loss`) on the shared driver, `train.recipe` (ru
 resume, checkpoints, sinks, mesh as every trainer). The batch source is `rl/ppo.PPORollout`:
 samples on the train state's weights, rewards, one forward for the reference log-probs and the
 critic's values, −β·KL per token + the score at the last token, GAE, whitening, then
-`ppo.ppo_epochs` passes in shuffled mini-batches of `ppo.mini_batch_size` prompts, one optimizer
+`ppo.num_iterations` passes in shuffled mini-batches of `ppo.mini_batch_size` prompts, one optimizer
 step each (train.steps counts these steps).
 
 Critic (`ppo.critic`): `separate` (its own Transformer with a value head, from the policy's start or
@@ -20,11 +20,9 @@ What it is not: GRPO (no critic, group advantages) or an off-policy method.
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Annotated, Literal, Optional
+from typing import Literal, Optional
 
 import jax
-from annotated_types import Interval
 from flax import nnx
 
 from posttrain import config as C
@@ -45,15 +43,15 @@ from posttrain.train.recipe import Parts, Recipe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PPOSection(C.Section):
+class PPOSection(C.Sampling, C.Rewards):
+    """Sampling and rewards as every RL section has them (`config.Sampling`, `config.Rewards`), then PPO's
+    passes, clipping, critic, GAE and KL penalty."""
+
     key = "ppo"
+    aliases = {"kl_coef": "beta", "ppo_epochs": "num_iterations"}  # the names GRPO uses for the same things
 
     num_generations: C.AtLeast1 = 1  # samples per prompt (> 1: one prefix-shared row per prompt)
-    max_new_tokens: C.AtLeast1 = 64  # completion budget per sample
-    temperature: C.Positive = 1.0  # sampling temperature (the loss uses the same one)
-    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0  # nucleus sampling; 1 = off
-    top_k: C.Count = 0  # top-k sampling; 0 = off
-    ppo_epochs: C.AtLeast1 = 2  # passes over each rollout batch
+    num_iterations: C.AtLeast1 = 2  # μ: passes over each rollout batch (formerly ppo_epochs)
     mini_batch_size: Optional[C.AtLeast1] = None  # prompts per optimizer step; None = train.batch_size
     epsilon_low: C.NonNegative = 0.2  # policy ratio clip, lower
     epsilon_high: C.NonNegative = 0.2  # policy ratio clip, upper
@@ -64,7 +62,7 @@ class PPOSection(C.Section):
     gamma: C.Probability = 1.0  # discount
     lam: C.Probability = 0.95  # GAE λ
     whiten_advantages: bool = True  # whiten the advantages over the rollout's tokens
-    kl_coef: C.NonNegative = 0.05  # β of the per-token KL penalty (the start value when adaptive)
+    beta: C.NonNegative = 0.05  # KL weight: β of the per-token KL penalty (start value when adaptive; was kl_coef)
     kl_estimator: Literal["k1", "k3"] = "k1"  # per-token KL to the reference in the reward
     kl_target: Optional[C.Positive] = None  # adaptive KL controller's target (mean per-token KL); None = fixed β
     kl_horizon: C.AtLeast1 = 10000  # adaptive KL controller's horizon (sequences)
@@ -72,52 +70,32 @@ class PPOSection(C.Section):
     critic: Literal["separate", "shared"] = "separate"  # own Transformer, or a value head on the policy
     critic_path: Optional[str] = None  # separate critic from this folder (reward model or causal LM); None = policy
     critic_lr: Optional[C.Positive] = None  # the critic's peak learning rate; None = optim.lr
-    # reward -> weight, as grpo.rewards: math_answer, last_number, format, overlong, reward_model, "module:function"
-    rewards: dict[str, float] = dataclasses.field(default_factory=lambda: {"math_answer": 1.0})
-    format_pattern: Optional[str] = None  # regex for the "format" reward (full match)
-    overlong_cache: C.Count = 0  # DAPO soft overlong penalty zone (tokens)
-    reward_model: Optional[str] = None  # a *ForSequenceClassification folder for the "reward_model" reward
-    reward_timeout_s: Optional[C.Positive] = 60.0  # a reward call running longer counts as failed
-    # where code_tests runs model-written code: auto (bwrap, else a fresh uid as root), bwrap, uid, or
-    # unsafe_inprocess_guard (a Python-level guard only; warns). See posttrain/sandbox and docs/security.md
-    sandbox: str = "auto"
-    on_reward_error: Literal["zero", "drop"] = "zero"  # failed reward: 0, or drop the samples from the loss
 
     def __post_init__(self):
         super().__post_init__()
         checks = [
-            (self.kl_target is None or self.kl_coef > 0,
-             "ppo.kl_target needs ppo.kl_coef > 0 as its start value (or kl_target null: a fixed kl_coef)"),
+            (self.kl_target is None or self.beta > 0,
+             "ppo.kl_target needs ppo.beta > 0 as its start value (or kl_target null: a fixed beta)"),
             (self.dual_clip is None or self.dual_clip > 1 + self.epsilon_high,
              f"ppo.dual_clip must be > 1 + ppo.epsilon_high (e.g. 3.0) or null, got {self.dual_clip}"),
             (not (self.critic == "shared" and self.critic_path),
-             "ppo.critic_path is for ppo.critic=separate; a shared critic is a head on the policy"),
-            (bool(self.rewards), "ppo.rewards is empty; name at least one reward function, e.g. {math_answer: 1.0}"),
-            (self.overlong_cache <= self.max_new_tokens, "ppo.overlong_cache must be in [0, ppo.max_new_tokens]")]
-        checks += [(math.isfinite(w), f"ppo.rewards.{k}: the weight must be a finite number") for k, w in
-                   self.rewards.items()]
+             "ppo.critic_path is for ppo.critic=separate; a shared critic is a head on the policy")]
         for ok, msg in checks:
             if not ok:
                 raise PosttrainError(msg)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class PPOConfig:
+class PPOConfig(C.RunConfig):
     model: C.ModelSection  # the policy (required)
     data: C.PromptDataSection  # prompts (required)
     ppo: PPOSection = dataclasses.field(default_factory=PPOSection)  # critic, rewards, KL, GAE, clipping
-    optim: C.OptimSection = dataclasses.field(default_factory=C.OptimSection)  # AdamW + lr schedule
-    lora: C.LoraSection = dataclasses.field(default_factory=C.LoraSection)  # adapters (policy and critic)
-    train: C.TrainSection = dataclasses.field(default_factory=C.TrainSection)  # steps = updates; batch = prompts
-    checkpoint: C.CheckpointSection = dataclasses.field(default_factory=C.CheckpointSection)  # save / resume
-    metrics: C.MetricsSection = dataclasses.field(default_factory=C.MetricsSection)  # metric sinks, MFU
-    profile: C.ProfileSection = dataclasses.field(default_factory=C.ProfileSection)  # JAX profiler window
-    sharding: C.ShardingSection = dataclasses.field(default_factory=C.ShardingSection)  # device mesh
     run_dir: str = "runs/ppo"  # folder for checkpoints, logs and the saved config
 
 
 class PPOTrainer(Recipe):
     name = "ppo"
+    help = "PPO with a critic, GAE and KL-shaped rewards from a YAML config"
     config_class = PPOConfig
 
     samples = True
@@ -148,7 +126,7 @@ class PPOTrainer(Recipe):
     def rollout(self, graphdef, frozen):
         """The batch source: PPORollout, with one jitted forward for the reference log-probs and the values."""
         c, p, tok = self.config, self.config.ppo, self.tokenizer
-        n, use_ref = p.num_generations, p.kl_coef > 0
+        n, use_ref = p.num_generations, p.beta > 0
         frozen_graphdef, fz = frozen or (None, None)
 
         @jax.jit
@@ -165,28 +143,28 @@ class PPOTrainer(Recipe):
                           mesh=self.mesh, rules=self.rules, buckets=(max(len(q.ids) for q in self.prompts),))
         params = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
                                 top_k=p.top_k, n=n, stop_ids=tok.eos_ids)
-        kl = FixedKL(p.kl_coef) if p.kl_target is None else AdaptiveKL(p.kl_coef, p.kl_target, p.kl_horizon)
+        kl = FixedKL(p.beta) if p.kl_target is None else AdaptiveKL(p.beta, p.kl_target, p.kl_horizon)
         return PPORollout(self.prompts, tok, sampler, graphdef, batch_size=c.train.batch_size, n=n, params=params,
                              reward_funcs=self.reward_funcs, reward_weights=self.reward_weights, length=self.length,
                              seed=c.data.seed, shuffle=c.data.shuffle, reward_timeout_s=p.reward_timeout_s,
                              on_reward_error=p.on_reward_error, prepare=lambda st, b: prepare(st, b, fz),
                              kl_controller=kl, kl_estimator=p.kl_estimator, gamma=p.gamma, lam=p.lam,
-                             whiten=p.whiten_advantages, ppo_epochs=p.ppo_epochs, mini_batch_size=p.mini_batch_size,
-                             missing_eos_penalty=p.missing_eos_penalty)
+                             whiten=p.whiten_advantages, num_iterations=p.num_iterations,
+                             mini_batch_size=p.mini_batch_size, missing_eos_penalty=p.missing_eos_penalty)
 
     def build(self) -> Parts:
         c, p = self.config, self.config.ppo
-        frozen = frozen_copy(self.model.policy) if p.kl_coef > 0 and not c.lora.enabled else None
-        mu = p.ppo_epochs * (c.train.batch_size // (p.mini_batch_size or c.train.batch_size))  # steps per rollout
+        frozen = frozen_copy(self.model.policy) if p.beta > 0 and not c.lora.enabled else None
+        mu = p.num_iterations * (c.train.batch_size // (p.mini_batch_size or c.train.batch_size))  # steps a rollout
         f = flops_per_token(self.model.policy.cfg, self.length)  # policy (+ critic) train, + prepare forwards
         summary = (f"{len(self.prompts)} prompts ({self.data_stats}), {p.num_generations} samples x "
                    f"{p.max_new_tokens} tokens each, rows of {self.length} tokens, {p.critic} critic, "
-                   f"{p.ppo_epochs} epochs x {mu // p.ppo_epochs} mini-batches per rollout, kl_coef {p.kl_coef} "
+                   f"{p.num_iterations} passes x {mu // p.num_iterations} mini-batches per rollout, beta {p.beta} "
                    f"({'adaptive, target ' + str(p.kl_target) if p.kl_target else 'fixed'}), rewards {dict(p.rewards)}")
         # The step takes no frozen model (`prepare` reads it): Parts.frozen stays None.
         return Parts(model=self.model, loss_fn=self.loss_fn, trainable=self.trainable, optimizer=ppo_optimizer(c),
                      batches=lambda graphdef: self.rollout(graphdef, frozen), summary=summary,
-                     flops_per_token=f * (1.0 if p.critic == "shared" else 2.0) + f / 3 * (1 + (p.kl_coef > 0)) / mu)
+                     flops_per_token=f * (1.0 if p.critic == "shared" else 2.0) + f / 3 * (1 + (p.beta > 0)) / mu)
 
     @staticmethod
     def done_line(r: dict) -> str:

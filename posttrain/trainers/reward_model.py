@@ -52,17 +52,10 @@ class RMSection(C.Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class RMConfig:
+class RMConfig(C.RunConfig):
     model: C.ModelSection  # the backbone: a HF causal-LM folder or a preset (required)
     data: C.PreferenceDataSection  # preference pairs (required)
     rm: RMSection = dataclasses.field(default_factory=RMSection)  # margin, centering, head init
-    optim: C.OptimSection = dataclasses.field(default_factory=C.OptimSection)  # AdamW + lr schedule
-    lora: C.LoraSection = dataclasses.field(default_factory=C.LoraSection)  # adapters (+ the head train)
-    train: C.TrainSection = dataclasses.field(default_factory=C.TrainSection)  # steps, batch (pairs), logging
-    checkpoint: C.CheckpointSection = dataclasses.field(default_factory=C.CheckpointSection)  # save / resume
-    metrics: C.MetricsSection = dataclasses.field(default_factory=C.MetricsSection)  # metric sinks, MFU
-    profile: C.ProfileSection = dataclasses.field(default_factory=C.ProfileSection)  # JAX profiler window
-    sharding: C.ShardingSection = dataclasses.field(default_factory=C.ShardingSection)  # device mesh
     run_dir: str = "runs/rm"  # folder for checkpoints, logs and the saved config; default runs/rm
 
 
@@ -136,6 +129,7 @@ def make_reward_loss(*, pad_id: Optional[int], use_margin: bool = True, center_c
 
 class RMTrainer(Recipe):
     name = "rm"
+    help = "reward model: a score head trained Bradley-Terry"
     config_class = RMConfig
 
     def load(self) -> None:

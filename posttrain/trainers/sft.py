@@ -25,6 +25,7 @@ from posttrain.train.recipe import Parts, Recipe
 
 class SFTTrainer(Recipe):
     name = "sft"
+    help = "supervised fine-tuning (full or LoRA) from a YAML config"
     config_class = C.SFTConfig
 
     def load(self) -> None:
