@@ -8,7 +8,7 @@ What it is:
 - `Calculator` ("calculator"): exact arithmetic on an expression string. The grammar is
   `rewards.functions.safe_arithmetic`'s (non-negative integers, + - * /, parentheses; parsed with
   `ast`, evaluated with Fractions, never `eval`-ed), extended with unary +/-, decimals and `**`
-  with an integer exponent of at most `MAX_EXPONENT` (and a result of at most `MAX_RESULT_BITS`).
+  with an integer exponent of at most `rewards.arithmetic.MAX_EXPONENT` (a result of at most `MAX_RESULT_BITS`).
 - `PythonTool` ("python"): runs a program in `posttrain.sandbox` (bubblewrap namespaces: no host
   processes, no network, a read-only system and one private size-limited tmpfs; rlimits on time,
   memory, CPU, file size, open files and processes; the Python audit-hook guard as defence in depth).
@@ -26,14 +26,13 @@ function-calling JSON Schemas for `parameters`.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import re
 import sys
 from fractions import Fraction
 from typing import Any, Mapping, Protocol, Sequence, runtime_checkable
 
 from posttrain.errors import PosttrainError
+from posttrain.rewards.arithmetic import evaluate
 from posttrain.sandbox import Sandbox
 
 
@@ -65,56 +64,11 @@ def _string_argument(arguments: Any, key: str, tool: str) -> tuple[str | None, s
 
 # ----------------------------------------------------------------------------- calculator
 
-MAX_EXPONENT = 64  # the largest |exponent| of `**` the calculator accepts
-MAX_RESULT_BITS = 4096  # a bound on any intermediate power's numerator/denominator size
-_MAX_CHARS = 200  # as safe_arithmetic's bound
-_CALC_CHARS = re.compile(r"[0-9 \t+\-*/().]+")
-_DECIMAL = re.compile(r"\d+\.?\d*|\.\d+")
-_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b,
-        ast.Div: lambda a, b: a / b}
-
-
 def calculate(expr: str) -> Fraction:
     """The exact value of an arithmetic expression (safe_arithmetic's grammar plus unary +/-, decimal
-    literals and bounded integer powers); ValueError (with the reason) for anything else."""
-    if not isinstance(expr, str) or len(expr) > _MAX_CHARS or not _CALC_CHARS.fullmatch(expr):
-        raise ValueError("not an arithmetic expression of numbers, + - * / ** and parentheses")
-    source = expr.strip()
-    try:
-        tree = ast.parse(source, mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
-        raise ValueError(f"cannot parse: {getattr(err, 'msg', err)}") from None
-
-    def value(node) -> Fraction:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            literal = ast.get_source_segment(source, node) or ""
-            if not _DECIMAL.fullmatch(literal):
-                raise ValueError(f"{literal!r} is not a decimal number")
-            return Fraction(literal)  # exact: Fraction("0.1") == 1/10
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-            v = value(node.operand)
-            return -v if isinstance(node.op, ast.USub) else v
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
-            base, exp = value(node.left), value(node.right)
-            if exp.denominator != 1 or abs(exp) > MAX_EXPONENT:
-                raise ValueError(f"** needs an integer exponent of at most {MAX_EXPONENT} in size")
-            if base == 0 and exp < 0:
-                raise ValueError("division by zero")
-            bits = max(abs(base.numerator).bit_length(), base.denominator.bit_length()) * abs(int(exp))
-            if bits > MAX_RESULT_BITS:
-                raise ValueError(f"the result of ** would exceed {MAX_RESULT_BITS} bits")
-            return base ** int(exp)
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Div) and right == 0:
-                raise ValueError("division by zero")
-            return _OPS[type(node.op)](left, right)
-        raise ValueError(f"{type(node).__name__} is not allowed")
-
-    try:
-        return value(tree.body)
-    except RecursionError:
-        raise ValueError("the expression is nested too deeply") from None
+    literals and bounded integer powers: `rewards.arithmetic.evaluate(expr, extended=True)`); ValueError
+    (with the reason) for anything else."""
+    return evaluate(expr, extended=True)[0]
 
 
 def format_number(value: Fraction) -> str:

@@ -31,10 +31,8 @@ eq. 13; GSM8K's `#### answer` convention (Cobbe et al. 2021); MATH's `\boxed{}` 
 
 from __future__ import annotations
 
-import ast
 import math
 import numbers
-import operator
 import os
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -44,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from posttrain.errors import PosttrainError
+from posttrain.rewards.arithmetic import evaluate
 from posttrain.rewards.code import run_tests
 from posttrain.sandbox import Sandbox
 
@@ -218,39 +217,11 @@ def math_answer(prompts: Sequence, completions: Sequence, answer: Sequence, **_)
 
 # ----------------------------------------------------------------------------- countdown
 
-_EXPR_CHARS = re.compile(r"[0-9 \t+\-*/()]+")  # ASCII digits only: ast would read "٣" or "0x19" too
-_MAX_EXPR_CHARS = 200  # a bound on the parser's and the evaluator's work for one completion
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
-
-
 def safe_arithmetic(expr: str) -> tuple[Fraction, list[int]]:
     """(exact value, the integer literals in order) of an expression of non-negative decimal
-    integers, `+ - * /` and parentheses. Anything else (names, calls, unary minus, `**`, floats,
-    hex literals, over `_MAX_EXPR_CHARS` characters) or a division by zero raises ValueError.
-
-    Safe by construction: the characters are whitelisted, then `ast.parse` builds the tree and only
-    BinOp / int Constant nodes are evaluated, with Fractions (so 7/2*2 == 7 exactly); nothing is
-    ever `eval`-ed."""
-    if not isinstance(expr, str) or len(expr) > _MAX_EXPR_CHARS or not _EXPR_CHARS.fullmatch(expr):
-        raise ValueError("not an arithmetic expression of integers, + - * / and parentheses")
-    try:
-        tree = ast.parse(expr.strip(), mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as err:
-        raise ValueError(f"cannot parse: {err}") from None
-    leaves: list[int] = []
-
-    def value(node) -> Fraction:
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            leaves.append(node.value)
-            return Fraction(node.value)
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Div) and right == 0:
-                raise ValueError("division by zero")
-            return _BINOPS[type(node.op)](left, right)
-        raise ValueError(f"{type(node).__name__} is not allowed")
-
-    return value(tree.body), leaves
+    integers, `+ - * /` and parentheses: `rewards.arithmetic.evaluate`'s strict grammar (anything else,
+    or a division by zero, raises ValueError; nothing is ever `eval`-ed)."""
+    return evaluate(expr)
 
 
 def countdown_expression(completion: Any) -> str:
