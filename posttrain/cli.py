@@ -131,8 +131,8 @@ def _run(args) -> None:
     if is_main_process():
         for st in out["stages"]:
             r = st["result"]
-            line = _done(st["task"], r) if "first_loss" in r or st["task"] in ("grpo", "ppo") else \
-                f"[{st['task']}] done earlier"
+            line = _done(st["recipe"], r) if "first_loss" in r or st["recipe"] in ("grpo", "ppo") else \
+                f"[{st['recipe']}] done earlier"
             print(f"[pipeline] {st['name']}: {line}; Hugging Face folder {st['hf']}")
 
 
@@ -213,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--distributed", action="store_true", help="multi-process run, as for the trainers")
     pr.set_defaults(func=_run)
     sc = sub.add_parser("schema", help="JSON Schemas of every trainer's config and of pipeline files (for editors)")
-    sc.add_argument("--out", default="schemas", help="output folder (one <task>.schema.json each)")
+    sc.add_argument("--out", default="schemas", help="output folder (one <recipe>.schema.json each)")
     sc.set_defaults(func=_schema)
     d = sub.add_parser("demo", help="run the built-in demo job on a tiny local model")
     d.add_argument("--out", default="runs/demo", help="output folder")

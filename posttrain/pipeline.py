@@ -12,8 +12,11 @@ reward model) is not a policy, so the stage after it continues from the policy b
 string value `@NAME` anywhere in a stage is the Hugging Face folder of the earlier stage NAME
 (e.g. `ppo: {reward_model: "@rm"}`).
 
-    Pipeline(task="sft", model="demo-tiny", run_dir="runs/x", train={"steps": 100}).run("rows.jsonl")
-    Pipeline(stages=[{"task": "sft", ...}, {"task": "grpo", ...}], model="path/to/hf").run()
+    Pipeline(recipe="sft", model="demo-tiny", run_dir="runs/x", train={"steps": 100}).run("rows.jsonl")
+    Pipeline(stages=[{"recipe": "sft", ...}, {"recipe": "grpo", ...}], model="path/to/hf").run()
+
+A stage names its trainer with `recipe:`; the older `task:` (and `Pipeline(task=...)`) is read, with a
+FutureWarning, until the next release.
 
 A finished stage leaves `<stage>/stage.json` (its result) after its export; running the same
 pipeline again skips finished stages (checking their config is unchanged) and the trainer of the
@@ -41,7 +44,7 @@ from posttrain.errors import PosttrainError
 from posttrain.trainers import TRAINERS, recipe_class
 
 TOP_KEYS = ("run_dir", "model", "sharding", "defaults", "stages")
-STAGE_KEYS = ("task", "name", "config")  # a stage's own keys; the rest are its trainer's config keys
+STAGE_KEYS = ("recipe", "task", "name", "config")  # a stage's own keys (task: recipe's old name); the rest config
 DONE = "stage.json"
 FROM_RUN = "<the dataset given to Pipeline.run>"
 
@@ -117,11 +120,18 @@ def _substitute(value, hf: dict, where: str, key: str = ""):
     return value
 
 
-class Stage:
-    """One trainer run of a pipeline: its name, task, typed config and folder."""
+def _renamed_task(where: str) -> None:
+    import warnings
 
-    def __init__(self, name: str, task: str, config, where: str):
-        self.name, self.task, self.config, self.where = name, task, config, where
+    warnings.warn(f"{where}: a stage's 'task' is now called 'recipe'; the old name is read until the next release",
+                  FutureWarning, stacklevel=3)
+
+
+class Stage:
+    """One trainer run of a pipeline: its name, recipe, typed config and folder."""
+
+    def __init__(self, name: str, recipe: str, config, where: str):
+        self.name, self.recipe, self.config, self.where = name, recipe, config, where
         self.run_dir = config.run_dir
         self.hf = os.path.join(config.run_dir, "hf")
 
@@ -145,29 +155,35 @@ class Stage:
 
 
 class Pipeline:
-    """A training job: one task (`task=`, `model=`, keyword config sections) or a chain (`stages=`).
+    """A training job: one recipe (`recipe=`, `model=`, keyword config sections) or a chain (`stages=`).
 
     `model`: a Hugging Face folder, a preset name or a ModelSection mapping (the first stage's model);
     `sharding`: a mesh preset name (dp, fsdp, tp, fsdp_tp) or a ShardingSection mapping, for every stage;
-    `defaults`: trainer config keys every stage starts from; keyword arguments (single task): the
+    `defaults`: trainer config keys every stage starts from; keyword arguments (single recipe): the
     stage's config sections, e.g. `train={"steps": 100}` or `**{"optim.lr": 1e-3}`.
     """
 
-    def __init__(self, task: Optional[str] = None, model=None, sharding=None, *, stages: Optional[Sequence] = None,
-                 run_dir: str = "runs/pipeline", defaults: Optional[Mapping] = None, progress: bool = True,
-                 where: str = "Pipeline", stage_lines: Sequence[int] = (), **overrides):
-        if (task is None) == (stages is None):
-            raise PosttrainError(f"{where}: give either task=... (one trainer) or stages=[...] (a chain), not "
-                                 f"{'both' if task else 'neither'}")
-        if task is not None:
-            stages = [{"task": task, **_dotted(overrides)}]
+    def __init__(self, recipe: Optional[str] = None, model=None, sharding=None, *,
+                 stages: Optional[Sequence] = None, run_dir: str = "runs/pipeline", defaults: Optional[Mapping] = None,
+                 progress: bool = True, where: str = "Pipeline", stage_lines: Sequence[int] = (),
+                 task: Optional[str] = None, **overrides):
+        if task is not None:  # recipe's old name
+            if recipe is not None:
+                raise PosttrainError(f"{where}: task= is the old name of recipe=; give recipe= alone")
+            _renamed_task(where)
+            recipe = task
+        if (recipe is None) == (stages is None):
+            raise PosttrainError(f"{where}: give either recipe=... (one trainer) or stages=[...] (a chain), not "
+                                 f"{'both' if recipe else 'neither'}")
+        if recipe is not None:
+            stages = [{"recipe": recipe, **_dotted(overrides)}]
             if not (stages[0].get("data") or {}).get("train"):  # the dataset comes with run(dataset)
                 stages[0]["data"] = {**(stages[0].get("data") or {}), "train": FROM_RUN}
         elif overrides:
-            raise PosttrainError(f"{where}: keyword config sections ({', '.join(overrides)}) are for task=...; "
+            raise PosttrainError(f"{where}: keyword config sections ({', '.join(overrides)}) are for recipe=...; "
                                  "with stages=[...] put them in a stage or in defaults")
         if not isinstance(stages, Sequence) or isinstance(stages, str) or not stages:
-            raise PosttrainError(f"{where}: 'stages' must be a non-empty list of stages (mappings with a 'task')")
+            raise PosttrainError(f"{where}: 'stages' must be a non-empty list of stages (mappings with a 'recipe')")
         self.run_dir, self.progress = run_dir, progress
         shared = _dotted(dict(defaults or {}))
         if sharding is not None:
@@ -208,13 +224,19 @@ class Pipeline:
         for i, raw in enumerate(stages):
             at = f"{where}:{lines[i]}" if i < len(lines) else where
             if not isinstance(raw, Mapping):
-                raise PosttrainError(f"{at}: stages[{i}] must be a mapping with a 'task', got {raw!r}")
-            task = raw.get("task")
-            if task not in TRAINERS:
-                close = difflib.get_close_matches(str(task), list(TRAINERS), n=1)
-                raise PosttrainError(f"{at}: stages[{i}].task must be one of {', '.join(TRAINERS)}, got {task!r}"
+                raise PosttrainError(f"{at}: stages[{i}] must be a mapping with a 'recipe', got {raw!r}")
+            recipe = raw.get("recipe")
+            if "task" in raw:  # recipe's old name
+                if recipe is not None:
+                    raise PosttrainError(f"{at}: stages[{i}] sets 'task', the old name of 'recipe', and 'recipe'; "
+                                         "keep 'recipe'")
+                _renamed_task(at)
+                recipe = raw["task"]
+            if recipe not in TRAINERS:
+                close = difflib.get_close_matches(str(recipe), list(TRAINERS), n=1)
+                raise PosttrainError(f"{at}: stages[{i}].recipe must be one of {', '.join(TRAINERS)}, got {recipe!r}"
                                      + (f" (did you mean '{close[0]}'?)" if close else ""))
-            name = raw.get("name") or task
+            name = raw.get("name") or recipe
             if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
                 raise PosttrainError(f"{at}: stages[{i}].name must be a plain name (letters, digits, - or _), "
                                      f"got {name!r}")
@@ -225,26 +247,26 @@ class Pipeline:
             own = {k: v for k, v in raw.items() if k not in STAGE_KEYS}
             own_model = _model_spec(own.pop("model", None), at)
             cfg = _merge(file_cfg, own)
-            cfg["model"] = _chain_model(file_cfg.get("model") or {}, own_model, None if task == "distill" else policy,
-                                        at, "the student as the stage's 'model'" if task == "distill" else
+            cfg["model"] = _chain_model(file_cfg.get("model") or {}, own_model, None if recipe == "distill" else policy,
+                                        at, "the student as the stage's 'model'" if recipe == "distill" else
                                         "the pipeline's 'model'" if not out else "")
-            if task == "distill" and policy and "teacher" not in own:  # the previous model teaches
+            if recipe == "distill" and policy and "teacher" not in own:  # the previous model teaches
                 cfg["teacher"] = _chain_model(file_cfg.get("teacher") or {}, {}, policy, at, "")
             cfg = _substitute(cfg, hf, at)
             if "run_dir" in cfg:
                 raise PosttrainError(f"{at}: 'run_dir' is set by the pipeline ({self.run_dir}/{name}); "
                                      "set the pipeline's run_dir instead")
             cfg["run_dir"] = os.path.join(self.run_dir, name)
-            cfg_cls = recipe_class(task).config_class
-            out.append(Stage(name, task, C.from_dict(cfg_cls, cfg, where=at), at))
+            cfg_cls = recipe_class(recipe).config_class
+            out.append(Stage(name, recipe, C.from_dict(cfg_cls, cfg, where=at), at))
             hf[name] = out[-1].hf
-            if task != "rm":
+            if recipe != "rm":
                 policy = {"path": out[-1].hf}
         return out
 
     def run(self, dataset=None) -> dict:
         """Run (or resume) every stage; `dataset` (a file path or a list of row dicts) is the first stage's
-        `data.train`. Returns {"stages": [{name, task, run_dir, hf, result}], "run_dir"}."""
+        `data.train`. Returns {"stages": [{name, recipe, run_dir, hf, result}], "run_dir"}."""
         import jax
         from jax.experimental import multihost_utils
 
@@ -264,20 +286,20 @@ class Pipeline:
         for stage in self.stages:
             record = stage.done(dict(ids)) if stage.config.checkpoint.resume else None
             if record is not None:
-                _print(f"[pipeline] stage {stage.name} ({stage.task}) already done: {stage.hf}")
+                _print(f"[pipeline] stage {stage.name} ({stage.recipe}) already done: {stage.hf}")
             else:
                 started = os.path.join(stage.run_dir, "stage_inputs.json")
                 if stage.config.checkpoint.resume and os.path.isfile(started):  # resuming: from the same inputs?
                     with open(started) as fh:
                         stage.check_inputs(json.load(fh), ids)
-                trainer_cls = recipe_class(stage.task)
-                _print(f"[pipeline] stage {stage.name} ({stage.task}) -> {stage.run_dir}")
+                trainer_cls = recipe_class(stage.recipe)
+                _print(f"[pipeline] stage {stage.name} ({stage.recipe}) -> {stage.run_dir}")
                 trainer = trainer_cls(stage.config, progress=self.progress)  # checks everything, writes nothing
                 if is_main_process():
                     os.makedirs(stage.run_dir, exist_ok=True)
                     _write_json(started, ids)
                 result = _plain(trainer.train())
-                record = {"name": stage.name, "task": stage.task, "id": uuid.uuid4().hex, "inputs": dict(ids),
+                record = {"name": stage.name, "recipe": stage.recipe, "id": uuid.uuid4().hex, "inputs": dict(ids),
                           "result": result}
                 if is_main_process():  # export, then mark done: a kill in between exports again
                     shutil.rmtree(stage.hf, ignore_errors=True)
@@ -287,7 +309,7 @@ class Pipeline:
                     multihost_utils.sync_global_devices(f"posttrain:pipeline {stage.name} exported")
                     record = _read_json(os.path.join(stage.run_dir, DONE))  # process 0's id
             ids[stage.name] = record["id"]
-            summary.append({"name": stage.name, "task": stage.task, "run_dir": stage.run_dir, "hf": stage.hf,
+            summary.append({"name": stage.name, "recipe": stage.recipe, "run_dir": stage.run_dir, "hf": stage.hf,
                             "result": record["result"]})
         return {"run_dir": self.run_dir, "stages": summary}
 
@@ -301,7 +323,7 @@ class Pipeline:
             with open(path, "w") as fh:
                 fh.writelines(json.dumps(dict(r)) + "\n" for r in dataset)
             dataset = path
-        cfg_cls = recipe_class(first.task).config_class
+        cfg_cls = recipe_class(first.recipe).config_class
         data = C.to_dict(first.config)
         data["data"]["train"] = os.fspath(dataset)
         first.config = C.from_dict(cfg_cls, data, where=first.where)
@@ -312,7 +334,7 @@ def _apply_overrides(data: dict, overrides: Sequence[str]) -> None:
     names = {}
     for s in data.get("stages") or []:
         if isinstance(s, dict):
-            names[s.get("name") or s.get("task")] = s
+            names[s.get("name") or s.get("recipe") or s.get("task")] = s
     for item in overrides:
         dotted, value = C.parse_override(item, example="sft.train.steps=100")
         head, *rest = dotted.split(".")

@@ -5,7 +5,7 @@ the model `config.from_dict` validates with (types, Literal choices, required ke
 pydantic does not know: no unknown keys, each field's comment in the source (at the end of its
 line, or the lines right above it) as its description, and nested sections inline; the bounds of
 numeric fields (`config.Positive`, ... : minimum, exclusiveMinimum, ...) come from pydantic;
-`pipeline_schema()` is the schema of a `posttrain run` file (each stage: `task`, `name`, `config` and
+`pipeline_schema()` is the schema of a `posttrain run` file (each stage: `recipe`, `name`, `config` and
 that trainer's keys); `write_schemas(out)` writes one file per
 trainer plus `pipeline.schema.json`. With the YAML language server (VS Code's YAML extension) a
 first line `# yaml-language-server: $schema=PATH` in a config file turns it on.
@@ -112,12 +112,12 @@ def _inline(node, defs: dict):
     return node
 
 
-def trainer_schema(task: str) -> dict:
+def trainer_schema(recipe: str) -> dict:
     from posttrain.trainers import recipe_class
 
-    cfg_cls = recipe_class(task).config_class
+    cfg_cls = recipe_class(recipe).config_class
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **json_schema(cfg_cls),
-            "title": f"posttrain {task} config"}
+            "title": f"posttrain {recipe} config"}
 
 
 def pipeline_schema() -> dict:
@@ -125,13 +125,16 @@ def pipeline_schema() -> dict:
     from posttrain.trainers import TRAINERS, recipe_class
 
     stages = []
-    for task in TRAINERS:
-        s = _partial(json_schema(recipe_class(task).config_class))  # the rest may come from `config:` or defaults
+    for recipe in TRAINERS:
+        s = _partial(json_schema(recipe_class(recipe).config_class))  # the rest may come from `config:` or defaults
         props = {k: v for k, v in s["properties"].items() if k != "run_dir"}  # the pipeline places stages
         props["model"] = {"anyOf": [{"type": "string"}, props["model"]]}  # a folder or a preset name
-        props.update(task={"const": task}, name={"type": "string", "pattern": "^[A-Za-z0-9_-]+$"},
+        props.update(recipe={"const": recipe, "description": "the stage's trainer"},
+                     task={"const": recipe, "deprecated": True, "description": "the old name of recipe"},
+                     name={"type": "string", "pattern": "^[A-Za-z0-9_-]+$"},
                      config={"type": "string", "description": "a trainer config file, under the stage's keys"})
-        stages.append({"type": "object", "properties": props, "required": ["task"], "additionalProperties": False})
+        stages.append({"type": "object", "properties": props, "additionalProperties": False,
+                       "oneOf": [{"required": ["recipe"]}, {"required": ["task"]}]})
     return {
         "$schema": "https://json-schema.org/draft/2020-12/schema", "title": "posttrain pipeline (posttrain run)",
         "type": "object", "additionalProperties": False, "required": ["stages"],
@@ -155,7 +158,7 @@ def _partial(schema):
 
 
 def write_schemas(out_dir: str) -> list[str]:
-    """`<task>.schema.json` for every trainer and `pipeline.schema.json` in `out_dir`; the paths."""
+    """`<recipe>.schema.json` for every trainer and `pipeline.schema.json` in `out_dir`; the paths."""
     from posttrain.trainers import TRAINERS
 
     os.makedirs(out_dir, exist_ok=True)

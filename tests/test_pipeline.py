@@ -10,6 +10,7 @@ import yaml
 from safetensors.numpy import load_file
 
 from posttrain import cli
+from posttrain.errors import PosttrainError
 from posttrain.pipeline import Pipeline
 
 SFT = {"model": {"preset": "tiny-student"}, "data": {"train": "tests/data/sft_prompt_completion.jsonl",
@@ -51,7 +52,7 @@ def test_chain_equals_single_trainer_calls_and_resumes_at_the_stage(tmp_path):
     # The same as one pipeline file; the DPO data is missing at first, so the chain stops after SFT ...
     os.rename(pairs, pairs + ".away")
     pipe = _write(tmp_path / "pipe.yaml", {"run_dir": str(tmp_path / "b"), "model": "tiny-student", "stages": [
-        dict({k: v for k, v in SFT.items() if k != "model"}, task="sft"), dict(dpo, task="dpo")]})
+        dict({k: v for k, v in SFT.items() if k != "model"}, recipe="sft"), dict(dpo, recipe="dpo")]})
     assert cli.main(["run", pipe]) == 2
     assert os.path.isfile(tmp_path / "b/sft/stage.json") and not os.path.exists(tmp_path / "b/dpo")
     sft_record = json.loads((tmp_path / "b/sft/stage.json").read_text())
@@ -63,9 +64,9 @@ def test_chain_equals_single_trainer_calls_and_resumes_at_the_stage(tmp_path):
     _same(_weights(tmp_path / "a/dpo"), _weights(tmp_path / "b/dpo"))
     assert json.loads((tmp_path / "b/dpo/stage.json").read_text())["inputs"] == {"sft": sft_record["id"]}
 
-    # The Python object, one task, rows in memory: the same weights as `posttrain sft`.
+    # The Python object, one recipe, rows in memory: the same weights as `posttrain sft`.
     rows = [json.loads(line) for line in open("tests/data/sft_prompt_completion.jsonl")]
-    out = Pipeline(task="sft", model="tiny-student", run_dir=str(tmp_path / "c"), progress=False,
+    out = Pipeline(recipe="sft", model="tiny-student", run_dir=str(tmp_path / "c"), progress=False,
                    **{k: v for k, v in SFT.items() if k != "model"}).run(rows)
     assert out["stages"][0]["hf"] == str(tmp_path / "c/sft/hf")
     _same(_weights(tmp_path / "a/sft"), _weights(tmp_path / "c/sft"))
@@ -79,22 +80,22 @@ def test_chain_equals_single_trainer_calls_and_resumes_at_the_stage(tmp_path):
 
 BAD = [  # (pipeline file text, what the message must say)
     ("run_dir: x\nstage: []\n", r"pipe.yaml: unknown key 'stage'.*did you mean 'stages'"),
-    ("stages:\n  - task: sfft\n", r"pipe.yaml:2: stages\[0\].task must be one of .*did you mean 'sft'"),
-    ("model: tiny-student\nstages:\n  - task: sft\n    data: {train: a.jsonl}\n  - task: grpo\n"
+    ("stages:\n  - recipe: sfft\n", r"pipe.yaml:2: stages\[0\].recipe must be one of .*did you mean 'sft'"),
+    ("model: tiny-student\nstages:\n  - recipe: sft\n    data: {train: a.jsonl}\n  - recipe: grpo\n"
      "    data: {train: a.jsonl}\n    grpo: {num_generation: 4}\n",
      r"pipe.yaml:5 \(stage 'grpo'\): unknown key 'grpo.num_generation'.*did you mean 'num_generations'"),
-    ("model: tiny-student\nstages:\n  - task: sft\n    data: {train: a.jsonl}\n  - task: sft\n"
+    ("model: tiny-student\nstages:\n  - recipe: sft\n    data: {train: a.jsonl}\n  - recipe: sft\n"
      "    data: {train: a.jsonl}\n", r"pipe.yaml:5: two stages are named 'sft'"),
-    ("model: tiny-student\nstages:\n  - task: sft\n    data: {train: a.jsonl}\n  - task: ppo\n"
+    ("model: tiny-student\nstages:\n  - recipe: sft\n    data: {train: a.jsonl}\n  - recipe: ppo\n"
      "    data: {train: a.jsonl}\n    ppo: {reward_model: '@rm'}\n",
      r"pipe.yaml:5 \(stage 'ppo'\): 'ppo.reward_model' is '@rm', but no earlier stage is named 'rm'"),
-    ("model: tiny-student\nstages:\n  - task: sft\n    data: {train: a.jsonl}\n  - task: distill\n"
+    ("model: tiny-student\nstages:\n  - recipe: sft\n    data: {train: a.jsonl}\n  - recipe: distill\n"
      "    data: {train: a.jsonl}\n", r"pipe.yaml:5 \(stage 'distill'\): no model: give the student"),
-    ("stages:\n  - task: sft\n    data: {train: a.jsonl}\n", r"pipe.yaml:2 \(stage 'sft'\): no model: give "
+    ("stages:\n  - recipe: sft\n    data: {train: a.jsonl}\n", r"pipe.yaml:2 \(stage 'sft'\): no model: give "
      "the pipeline's 'model'"),
-    ("model: tiny-studnt\nstages:\n  - task: sft\n", r"'model' is 'tiny-studnt'.*did you mean 'tiny-student'"),
-    ("stages:\n  - task: sft\n   data: 1\n", r"pipe.yaml:3:\d+: YAML syntax error"),
-    ("model: tiny-student\nstages:\n  - task: sft\n    config: missing.yaml\n", r"cannot read its config file"),
+    ("model: tiny-studnt\nstages:\n  - recipe: sft\n", r"'model' is 'tiny-studnt'.*did you mean 'tiny-student'"),
+    ("stages:\n  - recipe: sft\n   data: 1\n", r"pipe.yaml:3:\d+: YAML syntax error"),
+    ("model: tiny-student\nstages:\n  - recipe: sft\n    config: missing.yaml\n", r"cannot read its config file"),
 ]
 
 
@@ -113,7 +114,8 @@ def test_bad_pipeline_files_exit_2_naming_the_place(tmp_path, capsys, monkeypatc
 
 def test_overrides_reach_the_named_stage(tmp_path):
     pipe = _write(tmp_path / "pipe.yaml", {"model": "tiny-student", "stages": [
-        {"task": "sft", "data": {"train": "a.jsonl"}}, {"task": "dpo", "name": "pref", "data": {"train": "b.jsonl"}}]})
+        {"recipe": "sft", "data": {"train": "a.jsonl"}},
+        {"recipe": "dpo", "name": "pref", "data": {"train": "b.jsonl"}}]})
     p = Pipeline.from_yaml(pipe, ["run_dir=elsewhere", "pref.optim.lr=0.25", "sft.train.steps=7"])
     assert [s.run_dir for s in p.stages] == ["elsewhere/sft", "elsewhere/pref"]
     assert p.stages[1].config.optim.lr == 0.25 and p.stages[0].config.train.steps == 7
@@ -123,8 +125,20 @@ def test_overrides_reach_the_named_stage(tmp_path):
         Pipeline.from_yaml(pipe, ["dpo.optim.lr=1"])
 
 
-def test_one_task_without_a_dataset_says_where_it_goes(tmp_path):
-    p = Pipeline(task="sft", model="tiny-student", run_dir=str(tmp_path), train={"steps": 1})
+def test_one_recipe_without_a_dataset_says_where_it_goes(tmp_path):
+    p = Pipeline(recipe="sft", model="tiny-student", run_dir=str(tmp_path), train={"steps": 1})
     with pytest.raises(Exception, match=r"no dataset; give it as run\(dataset\)"):
         p.run()
     assert not os.listdir(tmp_path)  # nothing written
+
+
+def test_task_is_the_old_name_of_recipe(tmp_path):
+    """A stage's `task:` (and `Pipeline(task=...)`) still names its recipe, with a FutureWarning, for one release."""
+    with pytest.warns(FutureWarning, match="'task' is now called 'recipe'"):
+        p = Pipeline(model="tiny-student", run_dir=str(tmp_path),
+                     stages=[{"task": "sft", "data": {"train": "a.jsonl"}}])
+    assert p.stages[0].recipe == "sft" and p.stages[0].name == "sft"
+    with pytest.warns(FutureWarning, match="'task' is now called 'recipe'"):
+        assert Pipeline(task="dpo", model="tiny-student", run_dir=str(tmp_path)).stages[0].recipe == "dpo"
+    with pytest.raises(PosttrainError, match="sets 'task', the old name of 'recipe', and 'recipe'"):
+        Pipeline(model="tiny-student", run_dir=str(tmp_path), stages=[{"task": "sft", "recipe": "sft"}])

@@ -46,10 +46,10 @@ def test_the_schema_rejects_what_the_loader_rejects(schemas, tmp_path, change, w
 
 
 def test_pipeline_schema_checks_each_stage_with_its_trainer(schemas):
-    good = {"model": "demo-tiny", "stages": [{"task": "sft", "data": {"train": "a.jsonl"}},
-                                             {"task": "grpo", "grpo": {"num_generations": 4}}]}
+    good = {"model": "demo-tiny", "stages": [{"recipe": "sft", "data": {"train": "a.jsonl"}},
+                                             {"recipe": "grpo", "grpo": {"num_generations": 4}}]}
     jsonschema.validate(good, schemas["pipeline"])
-    bad = {"model": "demo-tiny", "stages": [{"task": "sft", "grpo": {"num_generations": 4}}]}  # not an SFT key
+    bad = {"model": "demo-tiny", "stages": [{"recipe": "sft", "grpo": {"num_generations": 4}}]}  # not an SFT key
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schemas["pipeline"])
     assert schemas["grpo"]["properties"]["grpo"]["properties"]["num_generations"]["description"]  # from the source

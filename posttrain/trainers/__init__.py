@@ -1,6 +1,6 @@
 """The recipes (one `train.recipe.Recipe` per module) and their registry.
 
-`TRAINERS` maps a recipe's name (the CLI subcommand, a pipeline stage's `task`, the name written
+`TRAINERS` maps a recipe's name (the CLI subcommand, a pipeline stage's `recipe`, the name written
 into a run folder's run.json) to its module and help line. It is read from the modules' source
 (their recipe class's `name` and `help`), not by importing them: nothing here imports JAX, so
 `posttrain --help` stays fast, and a new trainer is found by dropping its module here.

@@ -142,7 +142,7 @@ DPO = ("dpo", "--config", "configs/dpo_tiny.yaml", RUN, "data.eval=null", "train
 GRPO = ("grpo", "--config", "configs/grpo_tiny.yaml", RUN)
 PPO = ("ppo", "--config", "configs/ppo_tiny.yaml", RUN)
 HF = ("model.preset=null", "model.path={t}/model")
-SFT_STAGE = "  - task: sft\n    config: {cfg}/sft_tiny.yaml\n"
+SFT_STAGE = "  - recipe: sft\n    config: {cfg}/sft_tiny.yaml\n"
 CASES = [
     # --- run configs
     Case("config-unknown-key", "config", "override of a misspelt key (optim.lrr)",
@@ -315,16 +315,16 @@ CASES = [
          GRPO + ("grpo.rewards={math_answer: .nan}",),
          ("grpo.rewards.math_answer: the weight must be a finite number",)),
     # --- pipeline files
-    Case("pipeline-unknown-task", "pipeline", "stage of an unknown kind (task: sfft)",
-         ("run", "{t}/p.yaml"), ("p.yaml:4: stages[0].task must be one of", "did you mean 'sft'?"),
-         {"p.yaml": pipeline("  - task: sfft\n    config: {cfg}/sft_tiny.yaml\n")}),
+    Case("pipeline-unknown-task", "pipeline", "stage of an unknown kind (recipe: sfft)",
+         ("run", "{t}/p.yaml"), ("p.yaml:4: stages[0].recipe must be one of", "did you mean 'sft'?"),
+         {"p.yaml": pipeline("  - recipe: sfft\n    config: {cfg}/sft_tiny.yaml\n")}),
     Case("pipeline-missing-stage-ref", "pipeline", "stage whose model refers to a stage that does not exist",
          ("run", "{t}/p.yaml"), ("p.yaml:6 (stage 'dpo'): 'model.path' is '@sft2'", "no earlier stage is named 'sft2'"),
-         {"p.yaml": pipeline(SFT_STAGE + "  - task: dpo\n    config: {cfg}/dpo_tiny.yaml\n    model: '@sft2'\n")}),
+         {"p.yaml": pipeline(SFT_STAGE + "  - recipe: dpo\n    config: {cfg}/dpo_tiny.yaml\n    model: '@sft2'\n")}),
     Case("pipeline-cycle", "pipeline", "two stages that take each other's model (a cycle)",
          ("run", "{t}/p.yaml"), ("p.yaml:4 (stage 'a'): 'model.path' is '@b'", "no earlier stage is named 'b'"),
-         {"p.yaml": pipeline("  - {task: sft, name: a, config: {cfg}/sft_tiny.yaml, model: '@b'}\n"
-                             "  - {task: sft, name: b, config: {cfg}/sft_tiny.yaml, model: '@a'}\n")}),
+         {"p.yaml": pipeline("  - {recipe: sft, name: a, config: {cfg}/sft_tiny.yaml, model: '@b'}\n"
+                             "  - {recipe: sft, name: b, config: {cfg}/sft_tiny.yaml, model: '@a'}\n")}),
     Case("pipeline-duplicate-name", "pipeline", "two stages with the same name",
          ("run", "{t}/p.yaml"), ("p.yaml:6: two stages are named 'sft'", "give each a different 'name'"),
          {"p.yaml": pipeline(SFT_STAGE + SFT_STAGE)}),
@@ -345,10 +345,10 @@ CASES = [
          ("cannot parse the value of 'sft.train.steps=[1' as YAML", "quote strings"), {"p.yaml": pipeline(SFT_STAGE)}),
     Case("pipeline-missing-stage-config", "pipeline", "stage whose config file does not exist",
          ("run", "{t}/p.yaml"), ("p.yaml:4 (stage 'sft'): cannot read its config file", "nothere.yaml"),
-         {"p.yaml": pipeline("  - task: sft\n    config: nothere.yaml\n")}),
+         {"p.yaml": pipeline("  - recipe: sft\n    config: nothere.yaml\n")}),
     Case("pipeline-no-model", "pipeline", "first stage without any model",
          ("run", "{t}/p.yaml"), ("p.yaml:3 (stage 'sft'): no model: give the pipeline's 'model'",),
-         {"p.yaml": pipeline("  - task: sft\n    data: {train: tests/data/sft_text.jsonl}\n", head="")}),
+         {"p.yaml": pipeline("  - recipe: sft\n    data: {train: tests/data/sft_text.jsonl}\n", head="")}),
     Case("pipeline-stage-run-dir", "pipeline", "stage that sets its own run_dir",
          ("run", "{t}/p.yaml"), ("'run_dir' is set by the pipeline", "set the pipeline's run_dir instead"),
          {"p.yaml": pipeline(SFT_STAGE + "    run_dir: elsewhere\n")}),

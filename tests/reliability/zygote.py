@@ -31,10 +31,11 @@ from jax._src import xla_bridge
 import posttrain.cli
 import posttrain.report
 import posttrain.train.lifecycle as lifecycle
+import posttrain.trainers
 from posttrain.train.loop import FnHook
 
-for _trainer in posttrain.cli.TRAINERS:
-    posttrain.cli.recipe_class(_trainer)  # the trainers' modules
+for _trainer in posttrain.trainers.TRAINERS:
+    posttrain.trainers.recipe_class(_trainer)  # the trainers' modules
 posttrain.report._plot({"loss": ([1, 2], [1.0, 0.5])}, ["loss"], [], "warm-up", "loss")  # matplotlib and its fonts
 assert not xla_bridge.backends_are_initialized(), "a JAX backend started before fork: the children would share it"
 
