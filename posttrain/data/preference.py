@@ -154,6 +154,14 @@ def load_pairs(path, tok, *, max_length: int, max_prompt_length: Optional[int] =
     return pairs, counts
 
 
+def load_pair_sets(data, tok) -> tuple[list[Pair], dict, Optional[list[Pair]]]:
+    """(train pairs, their counts, eval pairs or None) of a PreferenceDataSection (data.train / data.eval)."""
+    kw = dict(max_length=data.max_length, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
+              skip_bad_rows=data.skip_bad_rows)
+    train, stats = load_pairs(data.train, tok, **kw)
+    return train, stats, load_pairs(data.eval, tok, **kw)[0] if data.eval else None
+
+
 def _fit(p, c, r, where, max_length, max_prompt_length, truncation):
     """Apply the truncation policy; (prompt, chosen, rejected, "" | "truncated" | "dropped")."""
     longest = max(len(c), len(r))

@@ -30,7 +30,7 @@ from flax import nnx
 
 from posttrain import config as C
 from posttrain import sharding as sh
-from posttrain.data.preference import load_pairs, pair_arrays, pair_batches, pair_shapes
+from posttrain.data.preference import load_pair_sets, pair_arrays, pair_batches, pair_shapes
 from posttrain.errors import PosttrainError
 from posttrain.losses.dpo import make_dpo_loss
 from posttrain.losses.logps import branch_logps
@@ -77,10 +77,7 @@ class DPOTrainer(Recipe):
 
     def load(self) -> None:
         c, tok = self.config, self.tokenizer
-        kw = dict(max_length=c.data.max_length, max_prompt_length=c.data.max_prompt_length,
-                  truncation=c.data.truncation, skip_bad_rows=c.data.skip_bad_rows)
-        self.train_pairs, self.data_stats = load_pairs(c.data.train, tok, **kw)
-        self.eval_pairs = load_pairs(c.data.eval, tok, **kw)[0] if c.data.eval else None
+        self.train_pairs, self.data_stats, self.eval_pairs = load_pair_sets(c.data, tok)
         if len(self.train_pairs) < c.train.batch_size:
             raise PosttrainError(f"{c.data.train}: {len(self.train_pairs)} usable pairs are fewer than "
                                  f"train.batch_size={c.train.batch_size}; lower the batch size or add pairs")

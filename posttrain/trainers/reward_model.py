@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import config as C
-from posttrain.data.preference import load_pairs, pair_arrays, pair_batches, pair_shapes
+from posttrain.data.preference import load_pair_sets, pair_arrays, pair_batches, pair_shapes
 from posttrain.errors import PosttrainError
 from posttrain.losses.reward import per_pair_loss
 from posttrain.models import from_pretrained
@@ -134,10 +134,7 @@ class RMTrainer(Recipe):
 
     def load(self) -> None:
         c, tok = self.config, self.tokenizer
-        kw = dict(max_length=c.data.max_length, max_prompt_length=c.data.max_prompt_length,
-                  truncation=c.data.truncation, skip_bad_rows=c.data.skip_bad_rows)
-        self.train_pairs, self.data_stats = load_pairs(c.data.train, tok, **kw)
-        self.eval_pairs = load_pairs(c.data.eval, tok, **kw)[0] if c.data.eval else None
+        self.train_pairs, self.data_stats, self.eval_pairs = load_pair_sets(c.data, tok)
         self.length, self.score_length = pair_shapes(self.train_pairs, *([self.eval_pairs] if self.eval_pairs else []))
         self.model = build_reward_model(c, tok, self.mesh, self.rules)
         if self.length > self.model.cfg.max_position:
