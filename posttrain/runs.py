@@ -59,6 +59,11 @@ def run_recipe(run_dir: str) -> str:
 
 def load_run(run_dir: str):
     """(config, tokenizer, trained model) of a finished run (LoRA adapters still separate)."""
+    return _load(run_dir)[1:]
+
+
+def _load(run_dir: str):
+    """(recipe class, config, tokenizer, trained model) of a finished run."""
     cfg_file = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_file):
         raise PosttrainError(f"{cfg_file}: missing; --run must be a folder written by a posttrain trainer")
@@ -68,12 +73,13 @@ def load_run(run_dir: str):
     model, trainable = recipe.run_model(config, tok)
     graphdef, params, rest = nnx.split(model, trainable, ...)
     params = load_state(os.path.join(run_dir, WEIGHTS), params)
-    return config, tok, nnx.merge(graphdef, params, rest)
+    return recipe, config, tok, nnx.merge(graphdef, params, rest)
 
 
 def _exported(run_dir: str):
-    config, tok, model = load_run(run_dir)
-    model = recipe_class(run_recipe(run_dir)).exported(config, model)
+    """(tokenizer, the module `posttrain export` writes: the recipe's `exported`, LoRA merged)."""
+    recipe, config, tok, model = _load(run_dir)
+    model = recipe.exported(config, model)
     if config.lora.enabled:
         merge_lora(model)
     return tok, model

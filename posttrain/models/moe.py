@@ -241,7 +241,7 @@ class RouterStats(nnx.Intermediate):
 def collect_router(model) -> None:
     """Give every MoE Transformer inside `model` an empty `RouterStats` (the train step, before its loss)."""
     for _, m in nnx.iter_modules(model):
-        if getattr(getattr(m, "cfg", None), "num_experts", 0) and callable(getattr(m, "rope_tables", None)):
+        if getattr(type(m), "routes_tokens", False) and m.cfg.num_experts:
             m.router_stats = RouterStats(())
 
 

@@ -139,6 +139,8 @@ class ModelOutput(NamedTuple):
 
 
 class Transformer(nnx.Module):
+    routes_tokens = True  # its MoE layers' statistics go to the train step (moe.collect_router / sow_router)
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         pd = jnp.dtype(cfg.param_dtype)

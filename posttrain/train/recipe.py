@@ -83,6 +83,13 @@ def lora_reference(loss_fn: Callable) -> Callable:
     return fn
 
 
+def group_rows(config, n: int, width: int) -> tuple[int, int]:
+    """`plan_rows` of an RL recipe: a row is the prompt once, then its n completion slots of `width`
+    tokens; the sampler's KV cache holds every sample's prompt and completion."""
+    prompt = config.data.max_prompt_length
+    return prompt + n * width, config.train.batch_size * n * (prompt + width)
+
+
 class Recipe:
     """Base of every trainer: `Trainer(config).train()`; see the module docstring."""
 

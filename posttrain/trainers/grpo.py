@@ -45,7 +45,7 @@ from posttrain.rewards.registry import reward_functions
 from posttrain.rl.rollout import GroupRollout
 from posttrain.train.build import build_model
 from posttrain.train.lifecycle import frozen_copy
-from posttrain.train.recipe import Parts, Recipe, lora_reference
+from posttrain.train.recipe import Parts, Recipe, group_rows, lora_reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,11 +158,8 @@ class GRPOTrainer(Recipe):
 
     @classmethod
     def plan_rows(cls, c) -> tuple[int, int]:
-        """A row: the prompt once, then its n completions (an agentic episode takes up to env.max_tokens
-        slots); the sampler's KV cache holds every sample's prompt and completion."""
-        width = c.env.max_tokens if c.env.enabled else c.grpo.max_new_tokens
-        n = c.grpo.num_generations
-        return c.data.max_prompt_length + n * width, c.train.batch_size * n * (c.data.max_prompt_length + width)
+        """`group_rows`; an agentic episode takes up to env.max_tokens slots."""
+        return group_rows(c, c.grpo.num_generations, c.env.max_tokens if c.env.enabled else c.grpo.max_new_tokens)
 
 
 RECIPE = GRPOTrainer

@@ -39,7 +39,7 @@ from posttrain.rl.ppo import AdaptiveKL, FixedKL, PPORollout, make_ppo_loss
 from posttrain.train import merge
 from posttrain.train.build import build_model
 from posttrain.train.lifecycle import frozen_copy
-from posttrain.train.recipe import Parts, Recipe
+from posttrain.train.recipe import Parts, Recipe, group_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -173,9 +173,8 @@ class PPOTrainer(Recipe):
 
     @classmethod
     def plan_rows(cls, c) -> tuple[int, int]:
-        """As GRPO's; the critic, a second model, is not counted."""
-        n, width = c.ppo.num_generations, c.ppo.max_new_tokens
-        return c.data.max_prompt_length + n * width, c.train.batch_size * n * (c.data.max_prompt_length + width)
+        """`group_rows`; the critic, a second model, is not counted."""
+        return group_rows(c, c.ppo.num_generations, c.ppo.max_new_tokens)
 
     @classmethod
     def run_model(cls, config, tok):
