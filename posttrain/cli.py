@@ -1,5 +1,5 @@
 """`posttrain` command line:
-`posttrain {sft,dpo,rm,grpo,ppo,distill,run,plan,export,convert,report,schema,generate,demo} ...`.
+`posttrain {sft,dpo,rm,grpo,ppo,distill,...,run,plan,export,convert,report,schema,generate,eval,compare,demo} ...`.
 
 Every user-caused error (PosttrainError) is printed as one line without a traceback and the
 process exits with code 2. Subcommands for training arrive with their trainers.
@@ -42,6 +42,63 @@ def _generate(args) -> None:
     for i, text in enumerate(out.texts(tok)):
         prefix = f"[{i}] " if args.n > 1 else ""
         print(f"{prefix}{text}")
+
+
+def _eval(args) -> None:
+    import json
+    import os
+
+    from posttrain import config as C
+    from posttrain.data.prompts import eval_prompts
+    from posttrain.evals import SampledEval, format_table
+    from posttrain.rewards.registry import reward_functions
+    from posttrain.tokenizer import Tokenizer
+
+    if bool(args.run) == bool(args.model):
+        raise PosttrainError("eval takes exactly one of --model HF_DIR or --run RUN_DIR")
+    if args.k < 1:
+        raise PosttrainError(f"--k must be at least 1 (samples per prompt), got {args.k}")
+    names = args.reward or ["math_answer"]
+    rewards = C.Rewards(rewards={name: 1.0 for name in names}, format_pattern=args.format_pattern,
+                        reward_timeout_s=60.0)
+    if args.run:
+        from posttrain.runs import trained_model
+
+        tok, model = trained_model(args.run, best=args.best)
+    else:
+        from posttrain.models import from_pretrained
+
+        if args.best:
+            raise PosttrainError("--best needs --run (a run folder's best evaluated checkpoint)")
+        tok, model = Tokenizer.from_pretrained(args.model), from_pretrained(args.model)
+    prompts = eval_prompts(args.data, tok, max_prompt_length=args.max_prompt_length, limit=args.max_prompts)
+    funcs, weights = reward_functions(rewards, tok, prompts, key="eval")
+    ev = SampledEval(prompts, tok, funcs, weights, k=args.k, max_new_tokens=args.max_new_tokens,
+                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, correct_at=args.correct_at,
+                     seed=args.seed, prompts_per_call=args.prompts_per_call, reward_timeout_s=60.0)
+    summary, seconds = ev.run(model)
+    print(f"[eval] {args.run or args.model}{' (best checkpoint)' if args.best else ''}: {len(prompts)} prompts x "
+          f"{args.k} samples of {args.data}, temperature {args.temperature}, {seconds:.1f} s")
+    print(format_table(summary))
+    out = args.out or (os.path.join(args.run, "eval.json") if args.run else None)
+    if out:
+        record = {"model": args.run or args.model, "best": args.best, "data": args.data, "prompts": len(prompts),
+                  "k": args.k, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+                  "rewards": names, "correct_at": args.correct_at, "seconds": round(seconds, 3),
+                  "metrics": {name: {"value": v, "ci95": list(ci)} for name, (v, ci) in summary.items()}}
+        tmp = out + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(record, fh, indent=2)
+        os.replace(tmp, out)
+        print(f"[eval] written to {out}")
+
+
+def _compare(args) -> None:
+    from posttrain.report import compare_runs
+
+    table, png = compare_runs(args.runs, args.out)
+    print(table)
+    print(f"[compare] plot {png}")
 
 
 def _done(name, r) -> str:
@@ -91,6 +148,8 @@ def _plan(args) -> None:
 
 
 def _export(args) -> None:
+    if args.best and not args.run:
+        raise PosttrainError("export --best needs --run RUN_DIR (the run's best evaluated checkpoint)")
     if args.gguf:  # one GGUF file (models/gguf.py) instead of a Hugging Face folder
         if args.out or bool(args.run) == bool(args.model):
             raise PosttrainError("export --gguf FILE takes exactly one of --run RUN_DIR or --model HF_DIR, and no "
@@ -102,13 +161,13 @@ def _export(args) -> None:
         else:
             from posttrain.runs import export_run_gguf
 
-            print(f"exported to {export_run_gguf(args.run, args.gguf, args.gguf_type)}")
+            print(f"exported to {export_run_gguf(args.run, args.gguf, args.gguf_type, best=args.best)}")
         return
     if not args.run or not args.out or args.model:
         raise PosttrainError("export needs --run RUN_DIR and --out HF_DIR (or --gguf FILE with --run or --model)")
     from posttrain.runs import export_run
 
-    print(f"exported to {export_run(args.run, args.out, dtype=args.dtype, overwrite=args.overwrite)}")
+    print(f"exported to {export_run(args.run, args.out, dtype=args.dtype, overwrite=args.overwrite, best=args.best)}")
 
 
 def _convert(args) -> None:
@@ -196,7 +255,36 @@ def build_parser() -> argparse.ArgumentParser:
                    "(fp32) | bfloat16 (bf16) | float16 (fp16, half)")
     e.add_argument("--overwrite", action="store_true", help="replace an --out folder that holds files export "
                    "did not write (never a run folder)")
+    e.add_argument("--best", action="store_true", help="the run's best evaluated checkpoint (checkpoint.best_metric) "
+                   "instead of its last step")
     e.set_defaults(func=_export)
+    ev = sub.add_parser("eval", help="pass@1, pass@k, maj@k, mean reward and length of k sampled answers per prompt, "
+                        "with 95 %% bootstrap intervals")
+    ev.add_argument("--model", default=None, help="a Hugging Face folder")
+    ev.add_argument("--run", default=None, help="or a run folder (its trained model; the JSON goes into it)")
+    ev.add_argument("--best", action="store_true", help="with --run: its best evaluated checkpoint")
+    ev.add_argument("--data", required=True, help="prompt rows with their answers (RL prompt rows, or SFT / "
+                    "preference rows: the completion / chosen answer is the reference)")
+    ev.add_argument("--reward", action="append", help="a built-in reward (math_answer, last_number, countdown, "
+                    "code_tests, format, ...) or package.module:function; repeat to sum several (default "
+                    "math_answer)")
+    ev.add_argument("--format-pattern", default=None, help="the regex of the format reward")
+    ev.add_argument("--k", type=int, default=8, help="samples per prompt")
+    ev.add_argument("--temperature", type=float, default=1.0)
+    ev.add_argument("--top-p", type=float, default=1.0)
+    ev.add_argument("--top-k", type=int, default=0)
+    ev.add_argument("--max-new-tokens", type=int, default=256)
+    ev.add_argument("--max-prompt-length", type=int, default=1024, help="longer prompts are row errors")
+    ev.add_argument("--max-prompts", type=int, default=None, help="the first N prompts only")
+    ev.add_argument("--prompts-per-call", type=int, default=64, help="prompts per sampler call")
+    ev.add_argument("--correct-at", type=float, default=1.0, help="a sample is correct when its reward is at least this")
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--out", default=None, help="JSON file (default: RUN_DIR/eval.json with --run, none with --model)")
+    ev.set_defaults(func=_eval)
+    cp = sub.add_parser("compare", help="the evaluation metrics of several runs: one table and one PNG against steps")
+    cp.add_argument("runs", nargs="+", help="run folders (metrics.jsonl)")
+    cp.add_argument("--out", default="compare.png", help="the PNG file")
+    cp.set_defaults(func=_compare)
     cv = sub.add_parser("convert", help="a GGUF file (llama.cpp) as a Hugging Face folder (dequantized to float32)")
     cv.add_argument("--gguf", required=True, help="the .gguf file (llama or qwen2 architecture)")
     cv.add_argument("--out", required=True, help="output Hugging Face folder")

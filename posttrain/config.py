@@ -115,6 +115,7 @@ class PromptDataSection(Section):
 
     train: str  # prompt rows: {"prompt": str | [messages], other columns...} (.jsonl, .parquet, folder)
     max_prompt_length: AtLeast1 = 256  # the sampler's prompt budget in tokens; longer prompts are row errors
+    eval: str | None = None  # held-out prompt rows for the sampled evaluation (eval.k); None = no evaluation
     skip_bad_rows: bool = False  # skip (and count) bad rows instead of raising
     shuffle: bool = True  # shuffle the prompt stream every epoch
     seed: Seed = 0  # seed of the prompt stream's shuffle and of the rollouts' sampling keys
@@ -177,9 +178,33 @@ class CheckpointSection(Section):
 
     every: Count = 0  # steps between checkpoints; 0 = only at the end; default 0
     keep: AtLeast1 = 2  # newest checkpoints kept on disk; default 2
+    # an evaluation metric whose best step is kept beside the newest `keep` (e.g. eval_pass@1, eval_loss);
+    # `posttrain export --run R --best` exports that step. None = off
+    best_metric: str | None = None
+    best_mode: Literal["max", "min"] = "max"  # whether a larger or a smaller best_metric is better
     async_save: bool = True  # write checkpoints in the background while training continues
     resume: bool = True  # re-running the same command continues from the latest valid checkpoint
 
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalSection(Section):
+    """The sampled evaluation (`posttrain.evals`): every train.eval_every steps, eval.k samples for each prompt
+    of data.eval, scored by reward functions: eval_pass@1, eval_pass@k, eval_maj@k, eval_reward, eval_length."""
+
+    key = "eval"
+
+    k: Count = 0  # samples per prompt; 0 = no sampled evaluation (a loss-only eval_every, where there is one)
+    max_new_tokens: AtLeast1 | None = None  # completion budget; None = the RL section's, else 64
+    temperature: Positive = 1.0  # sampling temperature of the evaluation samples
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0  # nucleus sampling; 1 = off
+    top_k: Count = 0  # top-k sampling; 0 = off
+    # reward -> weight, as grpo.rewards; None = the RL section's rewards, else {math_answer: 1.0}
+    rewards: dict[str, float] | None = None
+    correct_at: float = 1.0  # a sample counts as correct (pass@k, maj@k) when its total reward is at least this
+    max_prompts: AtLeast1 | None = None  # evaluate the first N prompts of data.eval only; None = all
+    prompts_per_call: AtLeast1 = 64  # prompts per sampler call (k samples each)
+    seed: Seed = 0  # the sampling key (the same at every evaluation)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -241,6 +266,7 @@ class RunConfig:
     optim: OptimSection = dataclasses.field(default_factory=OptimSection)  # AdamW + lr schedule
     lora: LoraSection = dataclasses.field(default_factory=LoraSection)  # adapters; off by default
     train: TrainSection = dataclasses.field(default_factory=TrainSection)  # steps, batch, logging
+    eval: EvalSection = dataclasses.field(default_factory=EvalSection)  # sampled evaluation (pass@k); off by default
     checkpoint: CheckpointSection = dataclasses.field(default_factory=CheckpointSection)  # save / resume
     metrics: MetricsSection = dataclasses.field(default_factory=MetricsSection)  # metric sinks, MFU
     profile: ProfileSection = dataclasses.field(default_factory=ProfileSection)  # JAX profiler window

@@ -43,6 +43,7 @@ PLOTS: tuple[tuple[str, str, str, Callable[[str], bool]], ...] = (
     ("kl", "KL divergence", "KL", lambda k: k in ("kl", "teacher_kl")),
     ("accuracy", "Accuracy", "fraction",
      lambda k: any(w in k for w in ("accuracy", "accuracies", "agreement"))),
+    ("sampled", "Sampled answers (pass@k, maj@k)", "fraction", lambda k: k.startswith(("pass@", "maj@"))),
     ("lr", "Learning rate", "lr", lambda k: k == "lr"),
     ("tokens_per_s", "Throughput", "tokens / s", lambda k: k == "tokens_per_s"),
 )
@@ -108,6 +109,86 @@ def write_report(run_dir: str, *, stages: Sequence[dict] | None = None,
     return path
 
 
+def _eval_plots(series) -> list[tuple[str, bytes]]:
+    """(title, PNG) of each plot that a run's eval_ series belong to (PLOTS), then one of the rest."""
+    evals = [k for k in series if k.startswith("eval_") and k != "eval_seconds"]
+    out, used = [], set()
+    for _, title, ylabel, match in PLOTS:
+        keys = sorted(k for k in evals if match(k[len("eval_"):]))
+        if keys:
+            out.append((title, _plot(series, [], keys, title, ylabel)))
+            used.update(keys)
+    for k in sorted(set(evals) - used):
+        out.append((k, _plot(series, [], [k], k, k)))
+    return out
+
+
+def write_pipeline_report(out_dir: str, stage_runs: Sequence[tuple[str, str]], *,
+                          stages: Sequence[dict] | None = None, samples: Sequence[dict] | None = None) -> str:
+    """One page for a chain of runs (a pipeline, the demo): the stage table, then every stage's evaluation
+    curves (its `eval_*` metrics against its steps; a stage without evaluations shows its loss), the
+    sample completions; `<out_dir>/report/report.html`, returned."""
+    parts, esc = [], html.escape
+    for name, run_dir in stage_runs:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        series = collect_series(read_metrics(path)) if os.path.isfile(path) else {}
+        plots = _eval_plots(series) or ([("loss", _plot(series, ["loss"], [], "Loss", "loss"))]
+                                        if "loss" in series else [])
+        parts.append(f'<h2>Stage {esc(name)}</h2><p class="muted">{esc(os.path.abspath(run_dir))}</p>')
+        parts.append('<div class="plots">' + "".join(
+            f'<img alt="{esc(name)}: {esc(t)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+            for t, png in plots) + "</div>" if plots else '<p class="muted">no metrics logged</p>')
+    page = _html(out_dir, None, {}, [], stages, samples, body="\n".join(parts), title="pipeline report")
+    out = os.path.join(out_dir, REPORT_DIR)
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "report.html")
+    _atomic_write(path, page.encode("utf-8"))
+    return path
+
+
+def compare_runs(run_dirs: Sequence[str], png_path: str) -> tuple[str, str]:
+    """(table, png path): the evaluation metrics (`eval_*`) of several runs, the table with each metric's
+    last and best value (and step) per run, the PNG one panel per metric with one line per run."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    runs = [(os.path.basename(os.path.abspath(d)) or d,
+             collect_series(read_metrics(os.path.join(d, "metrics.jsonl")))) for d in run_dirs]
+    keys = sorted({k for _, series in runs for k in series if k.startswith("eval_") and k != "eval_seconds"})
+    if not keys:
+        raise PosttrainError(f"none of {', '.join(run_dirs)} logged evaluation metrics (eval_*); train with "
+                             "train.eval_every and data.eval (and eval.k for sampled answers)")
+    width = max(len(n) for n, _ in runs)
+    lines = [f"{'run':<{width}} | {'metric':<16} | {'last':>9} | {'best':>9} | best step", "-" * (width + 56)]
+    for name, series in runs:
+        for k in keys:
+            if k not in series:
+                continue
+            steps, values = series[k]
+            lower = k.endswith(("loss", "length", "kl"))  # smaller is better for these
+            i = min(range(len(values)), key=lambda j: values[j] if lower else -values[j])
+            lines.append(f"{name:<{width}} | {k:<16} | {values[-1]:>9.4f} | {values[i]:>9.4f} | {_fmt(steps[i])}")
+    cols = min(3, len(keys))
+    rows = -(-len(keys) // cols)
+    fig = Figure(figsize=(4.6 * cols, 3.3 * rows), dpi=100)
+    fig.subplots_adjust(left=0.08, right=0.98, top=0.92, bottom=0.1, hspace=0.45, wspace=0.3)
+    FigureCanvasAgg(fig)
+    for i, k in enumerate(keys):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for j, (name, series) in enumerate(runs):
+            if k in series:
+                ax.plot(*series[k], color=f"C{j % 10}", marker="o", markersize=3, label=name)
+        ax.set_title(k, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    os.makedirs(os.path.dirname(os.path.abspath(png_path)), exist_ok=True)
+    _atomic_write(png_path, buf.getvalue())
+    return "\n".join(lines), png_path
+
+
 def _plot(series, train: list[str], evals: list[str], title: str, ylabel: str) -> bytes:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -151,13 +232,14 @@ pre { background: #f7f7f7; padding: 8px; white-space: pre-wrap; word-break: brea
 """
 
 
-def _html(run_dir, config, series, plots, stages, samples) -> str:
+def _html(run_dir, config, series, plots, stages, samples, body: str | None = None,
+          title: str = "run report") -> str:
     esc = html.escape
     name = os.path.basename(os.path.abspath(run_dir))
     steps = series.get("loss", next(iter(series.values()), ([], [])))[0]
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
              f"<title>posttrain report: {esc(name)}</title><style>{_CSS}</style></head><body>",
-             f"<h1>posttrain run report: {esc(name)}</h1>",
+             f"<h1>posttrain {esc(title)}: {esc(name)}</h1>",
              f'<p class="muted">{esc(os.path.abspath(run_dir))}'
              + (f" · steps {_fmt(steps[0])}–{_fmt(steps[-1])}" if steps else "") + "</p>"]
     if stages:
@@ -169,24 +251,26 @@ def _html(run_dir, config, series, plots, stages, samples) -> str:
             parts.append("<tr>" + "".join(f'<td{" class=num" if num else ""}>{esc(_fmt(v))}</td>'
                                           for v, num in cells) + "</tr>")
         parts.append("</table>")
-    parts.append("<h2>Training curves</h2>")
-    if plots:
-        parts.append('<div class="plots">')
+    if body is not None:  # a pipeline page: its own sections instead of one run's curves
+        parts.append(body)
+    elif plots:
+        parts.append("<h2>Training curves</h2><div class=\"plots\">")
         for title, png in plots:
             data = base64.b64encode(png).decode("ascii")
             parts.append(f'<img alt="{esc(title)}" src="data:image/png;base64,{data}">')
         parts.append("</div>")
     else:
-        parts.append('<p class="muted">metrics.jsonl holds none of the plotted series yet.</p>')
+        parts.append('<h2>Training curves</h2><p class="muted">metrics.jsonl holds none of the plotted series yet.</p>')
     if samples:
         parts.append('<h2>Sample completions</h2><table id="samples"><tr><th>prompt</th><th>completion</th></tr>')
         for s in samples:
             parts.append(f'<tr><td><pre>{esc(str(s.get("prompt", "")))}</pre></td>'
                          f'<td><pre>{esc(str(s.get("completion", "")))}</pre></td></tr>')
         parts.append("</table>")
-    parts.append("<h2>Config</h2>")
-    parts.append(f'<pre id="config">{esc(config)}</pre>' if config is not None
-                 else '<p class="muted">no config.yaml in the run folder</p>')
+    if body is None:
+        parts.append("<h2>Config</h2>")
+        parts.append(f'<pre id="config">{esc(config)}</pre>' if config is not None
+                     else '<p class="muted">no config.yaml in the run folder</p>')
     parts.append("</body></html>\n")
     return "\n".join(parts)
 

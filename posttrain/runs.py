@@ -62,8 +62,27 @@ def load_run(run_dir: str):
     return _load(run_dir)[1:]
 
 
-def _load(run_dir: str):
-    """(recipe class, config, tokenizer, trained model) of a finished run."""
+def best_step(run_dir: str) -> tuple[int, float]:
+    """(step, value) of a run's best evaluated checkpoint (checkpoint.best_metric), or a PosttrainError."""
+    from posttrain.train.checkpoint import Checkpointer
+
+    config = C.load(recipe_class(run_recipe(run_dir)).config_class, os.path.join(run_dir, "config.yaml"))
+    c = config.checkpoint
+    folder = os.path.join(run_dir, "checkpoints")
+    if not c.best_metric:
+        raise PosttrainError(f"{run_dir}: --best needs a run trained with checkpoint.best_metric set (and an "
+                             "evaluation: train.eval_every, data.eval); this run has none")
+    best = Checkpointer(folder, keep=c.keep, async_save=False, best_metric=c.best_metric,
+                        best_mode=c.best_mode).best() if os.path.isdir(folder) else None
+    if best is None:
+        raise PosttrainError(f"{folder}: no checkpoint holds an evaluation of {c.best_metric}; the run stopped "
+                             "before its first evaluation")
+    return best
+
+
+def _load(run_dir: str, best: bool = False):
+    """(recipe class, config, tokenizer, trained model) of a finished run; with `best` the weights of its
+    best evaluated checkpoint instead of the last step's."""
     cfg_file = os.path.join(run_dir, "config.yaml")
     if not os.path.isfile(cfg_file):
         raise PosttrainError(f"{cfg_file}: missing; --run must be a folder written by a posttrain trainer")
@@ -72,32 +91,50 @@ def _load(run_dir: str):
     tok = build_tokenizer(config.model)
     model, trainable = recipe.run_model(config, tok)
     graphdef, params, rest = nnx.split(model, trainable, ...)
-    params = load_state(os.path.join(run_dir, WEIGHTS), params)
+    if best:
+        from posttrain.train.checkpoint import Checkpointer
+
+        step, _ = best_step(run_dir)
+        folder = os.path.join(run_dir, "checkpoints")
+        arrays = Checkpointer(folder, async_save=False).restore_params(step)
+        params = load_state(f"{folder}/{step}", params, arrays=arrays)
+    else:
+        params = load_state(os.path.join(run_dir, WEIGHTS), params)
     return recipe, config, tok, nnx.merge(graphdef, params, rest)
 
 
-def _exported(run_dir: str):
+def trained_model(run_dir: str, *, best: bool = False):
+    """(tokenizer, the trained model of a run as `posttrain export` writes it: the recipe's `exported`, LoRA
+    merged); `best`: the weights of the best evaluated checkpoint (`best_step`)."""
+    return _exported(run_dir, best)
+
+
+def _exported(run_dir: str, best: bool = False):
     """(tokenizer, the module `posttrain export` writes: the recipe's `exported`, LoRA merged)."""
-    recipe, config, tok, model = _load(run_dir)
+    recipe, config, tok, model = _load(run_dir, best)
     model = recipe.exported(config, model)
     if config.lora.enabled:
         merge_lora(model)
     return tok, model
 
 
-def export_run(run_dir: str, out: str, dtype: Optional[str] = None, overwrite: bool = False) -> str:
+def export_run(run_dir: str, out: str, dtype: Optional[str] = None, overwrite: bool = False,
+               best: bool = False) -> str:
     """Write a finished run as a Hugging Face folder (LoRA merged into the base weights); a reward
     model as a `*ForSequenceClassification` folder. `out` may not be the run folder (nor hold it, nor be
     inside its own files such as checkpoints/); an existing `out` is replaced only when it is empty or a
     previous export, or with `overwrite` (`models.hf.check_export_target`). Both are checked, and
-    `dtype` read (fp16, bf16, ... accepted), before the run is loaded."""
+    `dtype` read (fp16, bf16, ... accepted), before the run is loaded. `best`: the best evaluated
+    checkpoint's weights (checkpoint.best_metric) instead of the last step's."""
     dtype = canonical_dtype(dtype, "--dtype")
     check_export_target(out, overwrite, run_dir=run_dir)
-    tok, model = _exported(run_dir)
+    if best:
+        best_step(run_dir)  # no such step: fail before anything is written
+    tok, model = _exported(run_dir, best)
     return save_pretrained(model, out, tokenizer=tok, dtype=dtype, overwrite=overwrite)
 
 
-def export_run_gguf(run_dir: str, path: str, gguf_type: str = "f32") -> str:
+def export_run_gguf(run_dir: str, path: str, gguf_type: str = "f32", best: bool = False) -> str:
     """Write a finished run as one GGUF file (LoRA merged, as export_run does); a reward model is refused."""
     from posttrain.models.gguf import GGUF_TYPES, export_gguf
 
@@ -106,5 +143,5 @@ def export_run_gguf(run_dir: str, path: str, gguf_type: str = "f32") -> str:
     if os.path.isfile(os.path.join(run_dir, "config.yaml")) and run_recipe(run_dir) == "rm":
         raise PosttrainError(f"{run_dir}: a reward model run has a score head, which GGUF cannot hold; export it as "
                              "a Hugging Face folder with --out")
-    tok, model = _exported(run_dir)
+    tok, model = _exported(run_dir, best)
     return export_gguf(model, tok, path, gguf_type, name=os.path.basename(os.path.abspath(run_dir)))

@@ -44,6 +44,10 @@ def test_demo_command_trains_evaluates_and_exports(tmp_path, capsys):
     assert sizes["distill"] < sizes["dpo"] == sizes["sft"]  # the student is smaller
     assert (tmp_path / "data" / "pairs.jsonl").exists()
     assert (tmp_path / "distill" / "report" / "report.html").exists()
+    page = (tmp_path / "report" / "report.html").read_text()  # one page: every stage's evaluation curves
+    assert page.count("<h2>Stage ") == 4 and "Sampled answers (pass@k, maj@k)" in page
+    evals = [r for r in map(json.loads, open(tmp_path / "grpo" / "metrics.jsonl")) if "eval_pass@1" in r]
+    assert evals and {"eval_pass@8", "eval_maj@8"} <= set(evals[-1])  # the GRPO stage's eval.k: 8
 
 
 def test_generate_chat_with_n_samples(demo_run, capsys):

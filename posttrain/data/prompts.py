@@ -13,6 +13,7 @@ What it is not: the rollout (`posttrain/rl/rollout.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -62,3 +63,43 @@ def load_prompts(path, tok, *, max_prompt_length: int, skip_bad_rows: bool = Fal
     if not out:
         raise PosttrainError(f"{path}: no usable prompts (rows={counts['rows']}, skipped={counts['skipped']})")
     return out, counts
+
+
+def _content(value):
+    """The text of a completion given as a string or as messages (the last message's content)."""
+    if isinstance(value, list) and value and isinstance(value[-1], dict):
+        return value[-1].get("content")
+    return value
+
+
+def as_prompt_row(row, where: str):
+    """An evaluation row as a prompt row with an 'answer' column: prompt rows as they are; a
+    prompt/completion or preference row's completion / chosen answer becomes 'answer' (unless the row
+    has one); a conversation's last assistant turn becomes 'answer' and the turns before it the prompt."""
+    if not isinstance(row, dict):
+        return row
+    if "prompt" not in row and isinstance(row.get("messages"), list):
+        turns = row["messages"]
+        last = max((i for i, m in enumerate(turns) if isinstance(m, dict) and m.get("role") == "assistant"),
+                   default=None)
+        if last is None:
+            raise PosttrainError(f"{where}: the conversation has no assistant turn to use as the reference answer")
+        row = {**{k: v for k, v in row.items() if k != "messages"}, "prompt": turns[:last],
+               "answer": row.get("answer", turns[last].get("content"))}
+    elif "answer" not in row:
+        for name in ("completion", "chosen"):
+            if name in row:
+                row = {**row, "answer": _content(row[name])}
+                break
+    return row
+
+
+def eval_prompts(path, tok, *, max_prompt_length: int, limit: Optional[int] = None) -> list[Prompt]:
+    """The prompts of an evaluation file (`as_prompt_row`: the prompt rows of RL, or the SFT / preference
+    rows of a held-out set, their reference answer in 'answer'); the first `limit` rows when given."""
+    counts = {"rows": 0, "skipped": 0}
+    parse = lambda row, where: tokenize_prompt(as_prompt_row(row, where), where, tok, max_prompt_length)  # noqa: E731
+    out = [p for p, _ in parse_rows(path, parse, counts)]
+    if not out:
+        raise PosttrainError(f"{path}: no evaluation prompts (rows={counts['rows']})")
+    return out[:limit] if limit else out

@@ -168,6 +168,18 @@ def answers_match(predicted: str, reference: str) -> bool:
     return p == r
 
 
+def answer_key(text: Any) -> Optional[str]:
+    """The voting key of a completion's final answer (maj@k): `extract_answer` with the last-number
+    fallback, normalised (`normalize_answer`), numbers as their exact value (`0.5`, `1/2` and
+    `\\frac{1}{2}` vote together); None when the completion has no answer."""
+    ans = extract_answer(_text(text), last_number=True)
+    if ans is None:
+        return None
+    norm = normalize_answer(ans)
+    value = _as_fraction(norm)
+    return norm if value is None else str(value)
+
+
 def _reference(value: Any) -> Optional[str]:
     """The reference answer of a row: None/empty -> None; a number -> its str; a string with `####`
     or `\\boxed{}` -> what `extract_answer` finds there; otherwise the string itself."""

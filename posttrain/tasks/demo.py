@@ -11,8 +11,10 @@ accuracy of that exported folder on the held-out questions:
   4. distill  the DPO model distilled (offline logits) into a smaller student (demo-student: 2 of 3 layers);
               its held-out KL(teacher||student) is reported too.
 One line after each stage, then a table; `<out>/summary.json` (per stage: name, accuracy as a
-fraction, KL for the student, wall seconds; the total) and a report page (the distillation run's
-curves, the stage table and the student's greedy answers). `quick=True` runs the same path with
+fraction, KL for the student, wall seconds; the total) and one report page, `<out>/report/report.html`
+(the stage table, every stage's evaluation curves: the GRPO stage's pass@1 / pass@8 / maj@8 of 8
+samples per held-out question every 10 steps, the student's KL; and the student's greedy answers).
+The GRPO stage keeps its best pass@1 checkpoint: `posttrain export --run <out>/grpo --best`. `quick=True` runs the same path with
 tiny step counts on a subset of the rows (the test). No downloads.
 
 What it is not: a benchmark (the numbers vary a little with the machine's float round-off).
@@ -32,13 +34,14 @@ from posttrain.tasks import addition
 # Step counts and sizes. FULL is `make demo` (about 5 minutes on 2 idle CPU cores, 9 on busy ones); QUICK
 # is the test (the same stages on a 512-row subset with a few steps each, compilation dominates).
 FULL = dict(train_rows=None, sft_steps=250, grpo_steps=40, grpo_batch=16, generations=8, dpo_prompts=512,
-            dpo_samples=8, dpo_steps=30, dpo_batch=16, distill_steps=800, distill_batch=64)
+            dpo_samples=8, dpo_steps=30, dpo_batch=16, distill_steps=800, distill_batch=64, eval_prompts=200)
 QUICK = dict(train_rows=512, sft_steps=4, grpo_steps=2, grpo_batch=4, generations=4, dpo_prompts=16,
-             dpo_samples=4, dpo_steps=2, dpo_batch=4, distill_steps=2, distill_batch=8)
+             dpo_samples=4, dpo_steps=2, dpo_batch=4, distill_steps=2, distill_batch=8, eval_prompts=16)
 
 
-def _common(run_dir: str, steps: int, batch: int, log_every: int) -> dict:
-    return {"train": {"steps": steps, "batch_size": batch, "log_every": max(1, min(log_every, steps))},
+def _common(run_dir: str, steps: int, batch: int, log_every: int, eval_every: int = 0) -> dict:
+    every = lambda n: max(1, min(n, steps)) if n else 0  # noqa: E731
+    return {"train": {"steps": steps, "batch_size": batch, "log_every": every(log_every), "eval_every": every(eval_every)},
             "run_dir": run_dir}
 
 
@@ -58,11 +61,15 @@ def grpo_stage(out: str, s: dict, progress: bool):
 
     cfg = C.from_dict(GRPOConfig, {
         "model": {"path": f"{out}/sft/hf"},
-        "data": {"train": f"{out}/data/prompts.jsonl", "max_prompt_length": 8},
+        "data": {"train": f"{out}/data/prompts.jsonl", "eval": f"{out}/data/eval.jsonl", "max_prompt_length": 8},
         "grpo": {"num_generations": s["generations"], "max_new_tokens": 4, "rewards": {"last_number": 1.0}},
         "lora": {"enabled": True, "rank": 8},
         "optim": {"lr": 1e-3, "schedule": "constant"},
-        **_common(f"{out}/grpo", s["grpo_steps"], s["grpo_batch"], 10)}, where="demo grpo")
+        # pass@1 / pass@8 / maj@8 of 8 samples (temperature 1) per held-out question every 10 steps; the best
+        # pass@1 step is kept (`posttrain export --run <out>/grpo --best`)
+        "eval": {"k": 8, "max_prompts": s["eval_prompts"]},
+        "checkpoint": {"best_metric": "eval_pass@1"},
+        **_common(f"{out}/grpo", s["grpo_steps"], s["grpo_batch"], 10, eval_every=10)}, where="demo grpo")
     return GRPOTrainer(cfg, progress=progress).train()
 
 
@@ -160,7 +167,7 @@ class Greedy:
 def run(out_dir: str = "runs/demo", progress: bool = True, quick: bool = False) -> dict:
     """Run the four stages into `out_dir` (each stage's folder starts fresh); returns the summary."""
     from posttrain.models import from_pretrained
-    from posttrain.report import write_report
+    from posttrain.report import write_pipeline_report
     from posttrain.runs import export_run
     from posttrain.tokenizer import byte_tokenizer
 
@@ -188,7 +195,7 @@ def run(out_dir: str = "runs/demo", progress: bool = True, quick: bool = False) 
               + (f", KL(teacher||student) {kl:.4f}" if kl is not None else "")
               + f", {rows[-1]['seconds']:.0f} s, Hugging Face folder {hf}")
     samples = [{"prompt": r["prompt"], "completion": t} for r, t in zip(evals[:8], texts)]  # the student's
-    report = write_report(f"{out}/distill", stages=rows, samples=samples)
+    report = write_pipeline_report(out, [(name, f"{out}/{name}") for name, _ in STAGES], stages=rows, samples=samples)
     summary = {"stages": rows, "total_seconds": round(time.perf_counter() - t_start, 1)}
     with open(f"{out}/summary.json", "w") as fh:
         json.dump(summary, fh, indent=2)

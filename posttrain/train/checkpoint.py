@@ -30,6 +30,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as cm
 from etils import epath
 
 from posttrain.errors import PosttrainError
@@ -78,22 +79,70 @@ def _is_corruption(err: BaseException) -> bool:
     return isinstance(err, ValueError) and any(code in text for code in _CORRUPT_CODES)
 
 
+class _KeepStep(ocp.checkpoint_managers.PreservationPolicy):
+    """Preserves the one checkpoint whose step `best()` names (the best evaluation so far)."""
+
+    def __init__(self, best):
+        self.best = best
+
+    def should_preserve(self, checkpoints, *, context):
+        return [info.step == self.best() for info in checkpoints]
+
+
 class Checkpointer:
-    def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True):
+    """See the module docstring. With `best_metric`, a save whose meta holds {"best_metric": value}
+    (an evaluation at that step) competes for the best step (`best_mode` "max" or "min"), which is
+    kept beside the newest `keep` checkpoints; `best()` gives (step, value), read back on reopening."""
+
+    def __init__(self, directory: str, *, keep: int = 2, async_save: bool = True, best_metric: Optional[str] = None,
+                 best_mode: str = "max"):
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+        self.best_metric, self.best_mode = best_metric, best_mode
+        self._best: Optional[tuple[int, float]] = None
+        policy = cm.LatestN(n=keep)
+        if best_metric:
+            policy = cm.AnyPreservationPolicy([policy, _KeepStep(lambda: self._best[0] if self._best else None)])
+        options = ocp.CheckpointManagerOptions(preservation_policy=policy, enable_async_checkpointing=async_save,
                                                create=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data", "meta"))
         self.async_save = async_save
         self.saving: Optional[int] = None  # the step of the asynchronous save that may still be in flight
         self.failed = False
+        if best_metric:
+            for step in self.steps():
+                self._consider(step, self._meta(step).get("best_metric"))
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def best(self) -> Optional[tuple[int, float]]:
+        """(step, value) of the best evaluated checkpoint so far, or None."""
+        return self._best
+
+    def improves(self, value: float) -> bool:
+        """Whether an evaluation of `value` beats the best checkpoint so far (NaN never does)."""
+        if value is None or value != value:
+            return False
+        if self._best is None:
+            return True
+        return value > self._best[1] if self.best_mode == "max" else value < self._best[1]
+
+    def _consider(self, step: int, value) -> None:
+        if value is not None and self.improves(float(value)):
+            self._best = (step, float(value))
+
+    def _meta(self, step: int) -> dict:
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+            return dict(out["meta"] or {})
+        except Exception:  # a corrupt step: restore_latest deals with it
+            return {}
+
     def save(self, step: int, state, data_state: Optional[dict] = None, meta: Optional[dict] = None,
              force: bool = True) -> None:
+        if self.best_metric and meta and "best_metric" in meta:
+            self._consider(step, meta["best_metric"])  # before the save: its preservation keeps this step
         args = ocp.args.Composite(state=ocp.args.StandardSave(_to_saveable(state)),
                                   data=ocp.args.JsonSave(data_state or {}),
                                   meta=ocp.args.JsonSave(meta or {}))
@@ -114,6 +163,20 @@ class Checkpointer:
                                   meta=ocp.args.JsonRestore())
         out = self.manager.restore(step, args=args)
         return _from_saved(out["state"], like), dict(out["data"] or {}), dict(out["meta"] or {})
+
+    def restore_params(self, step: int) -> dict:
+        """The trainable parameters saved at `step` as {dotted key: array} (no optimizer state is built)."""
+        args = ocp.args.Composite(state=ocp.args.PyTreeRestore(restore_args=None))
+        try:
+            with warnings.catch_warnings():  # no target shardings: the saved ones, on this host's devices
+                warnings.filterwarnings("ignore", message="Sharding info not provided")
+                tree = self.manager.restore(step, args=args)["state"]
+        except Exception as e:
+            raise PosttrainError(f"could not read checkpoint step {step} in {self.directory} ({type(e).__name__}: "
+                                 f"{str(e).strip()[:200]})") from e
+        params = tree["params"] if isinstance(tree, dict) else tree.params
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        return {".".join(_path(p)).removesuffix(".value"): x for p, x in flat}
 
     def restore_latest(self, like) -> Optional[tuple[int, Any, dict, dict]]:
         """The newest checkpoint that reads back, or None.

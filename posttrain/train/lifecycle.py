@@ -84,8 +84,9 @@ def _run(config, state, step, batches, *, name, flops_per_token, evaluate, mesh,
     t0 = time.perf_counter()
     main = sh.is_main_process()
     prepare_run_dir(c, recipe=name)
+    best_metric = c.checkpoint.best_metric
     ckpt = Checkpointer(os.path.join(c.run_dir, "checkpoints"), keep=c.checkpoint.keep,
-                        async_save=c.checkpoint.async_save)
+                        async_save=c.checkpoint.async_save, best_metric=best_metric, best_mode=c.checkpoint.best_mode)
     start = 0
     restored = ckpt.restore_latest(state) if c.checkpoint.resume else None
     if restored is not None:
@@ -107,18 +108,31 @@ def _run(config, state, step, batches, *, name, flops_per_token, evaluate, mesh,
     sinks = make_sinks(c.metrics, c.run_dir, is_main_process=main)
     result: dict = {}
     hooks = []
+    evaluated: dict = {}  # step -> the best_metric value of the evaluation at that step
+
+    def save(step_no, st, _m):
+        if int(sh.to_host(st.nonfinite)) == 0 and step_no not in ckpt.steps():  # never mid-run of skipped steps
+            meta = {"best_metric": evaluated[step_no]} if step_no in evaluated else None
+            ckpt.save(step_no, st, {"iterator": batches.get_state()}, meta)
+
     if evaluate is not None:
+        every = c.checkpoint.every
+
         def run_eval(step_no, st, _m):
             metrics = evaluate(st)
             result.update(metrics)
             for sink in sinks:
                 sink.write(step_no, metrics)
+            if best_metric:
+                if best_metric not in metrics:
+                    raise PosttrainError(f"checkpoint.best_metric={best_metric!r} is not an evaluation metric of "
+                                         f"this run (it logs {', '.join(sorted(metrics))}); name one of them")
+                evaluated[step_no] = metrics[best_metric]
+                regular = (every and step_no % every == 0) or step_no == c.train.steps
+                if not regular and ckpt.improves(metrics[best_metric]):  # a new best between regular saves
+                    save(step_no, st, None)
 
         hooks.append(FnHook(c.train.eval_every, run_eval))
-
-    def save(step_no, st, _m):
-        if int(sh.to_host(st.nonfinite)) == 0:  # never checkpoint in the middle of a run of skipped (NaN) steps
-            ckpt.save(step_no, st, {"iterator": batches.get_state()})
 
     hooks.append(FnHook(c.checkpoint.every, save))  # also after the last step
     peak = peak_flops(c.metrics)

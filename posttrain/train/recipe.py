@@ -29,10 +29,14 @@ from typing import Any, Callable, ClassVar, Optional
 import jax
 from flax import nnx
 
+from posttrain import config as C
+from posttrain.data.prompts import eval_prompts
 from posttrain.errors import PosttrainError
+from posttrain.evals import SampledEval
 from posttrain.models import count_params
 from posttrain.models.lora import LoraParam, adapters_off
 from posttrain.plan import format_plan
+from posttrain.rewards.registry import reward_functions
 from posttrain.train.build import build_mesh, build_model, build_tokenizer, memory_plan
 from posttrain.train.lifecycle import check_processes, make_eval, prepare_run_dir, run_trainer, training_state
 from posttrain.train.step import TrainState, make_train_step, merge
@@ -98,7 +102,7 @@ class Recipe:
     config_class: ClassVar[type]
     # An RL recipe: the policy samples while it trains (one process for now; no LoRA dropout, which would
     # make the sampler's policy differ from the trainer's), its loss normalises over the whole batch (no
-    # micro-batches) and it has no eval set.
+    # micro-batches) and it evaluates sampled answers only (eval.k).
     samples: ClassVar[bool] = False
 
     def __init__(self, config, *, progress: bool = True):
@@ -107,12 +111,32 @@ class Recipe:
         if self.samples:
             self.check_sampling()
         self.check()
-        if config.train.eval_every and not getattr(config.data, "eval", None):
-            raise PosttrainError("train.eval_every is set but data.eval is not; give data.eval=FILE or set "
-                                 "train.eval_every=0")
+        for key, on in (("train.eval_every", config.train.eval_every), ("eval.k", config.eval.k),
+                        ("checkpoint.best_metric", config.checkpoint.best_metric)):
+            if on and not getattr(config.data, "eval", None):
+                raise PosttrainError(f"{key} is set but data.eval is not; give data.eval=FILE or set {key}=0")
         self.tokenizer = build_tokenizer(config.model)
         self.mesh, self.rules = build_mesh(config.sharding)
         self.load()
+        self.sampled_eval = self.make_sampled_eval() if config.eval.k else None
+
+    def make_sampled_eval(self) -> SampledEval:
+        """The in-loop sampled evaluation (`evals.SampledEval`) of data.eval under the eval section: its
+        rewards and budget default to the RL section's (the one with `rewards`), else math_answer and 64."""
+        c, e = self.config, self.config.eval
+        rl = next((getattr(c, f.name) for f in dataclasses.fields(c) if isinstance(getattr(c, f.name), C.Rewards)),
+                  None)
+        section = rl if rl is not None else C.Rewards()
+        if e.rewards is not None:
+            section = dataclasses.replace(section, rewards=e.rewards)
+        prompt_budget = getattr(c.data, "max_prompt_length", None) or c.data.max_length
+        prompts = eval_prompts(c.data.eval, self.tokenizer, max_prompt_length=prompt_budget, limit=e.max_prompts)
+        funcs, weights = reward_functions(section, self.tokenizer, prompts, key="eval" if rl is None else rl.key)
+        new = e.max_new_tokens or getattr(rl, "max_new_tokens", 64)
+        return SampledEval(prompts, self.tokenizer, funcs, weights, k=e.k, max_new_tokens=new,
+                           temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, correct_at=e.correct_at,
+                           seed=e.seed, prompts_per_call=e.prompts_per_call,
+                           reward_timeout_s=section.reward_timeout_s, mesh=self.mesh, rules=self.rules)
 
     def check_sampling(self) -> None:
         c, name = self.config, self.name
@@ -125,7 +149,8 @@ class Recipe:
             (c.lora.enabled and c.lora.dropout > 0, f"lora.dropout must be 0 for {name}: the sampler would sample "
                                                     "from a noised policy and its log-probs would no longer be the "
                                                     "trainer's"),
-            (c.train.eval_every, f"train.eval_every is not supported by {name} (no evaluation set); set it to 0")]:
+            (c.train.eval_every and not c.eval.k, f"train.eval_every: {name} evaluates sampled answers only; set "
+                                                  "eval.k (samples per prompt, e.g. 8) or train.eval_every=0")]:
             if bad:
                 raise PosttrainError(msg)
 
@@ -173,10 +198,16 @@ class Recipe:
                               micro_batches=c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size),
                               schedule=lr, frozen_graphdef=frozen_graphdef, trainable=p.trainable, mesh=self.mesh,
                               rules=self.rules)
-        evaluate = None
+        losses = sampled = None
         if p.eval_arrays is not None:
-            evaluate = make_eval(p.eval_loss_fn or p.loss_fn, graphdef, p.eval_arrays(), batch_size=c.train.batch_size,
-                                 mesh=self.mesh, rules=self.rules, frozen=frozen, frozen_graphdef=frozen_graphdef)
+            losses = make_eval(p.eval_loss_fn or p.loss_fn, graphdef, p.eval_arrays(), batch_size=c.train.batch_size,
+                               mesh=self.mesh, rules=self.rules, frozen=frozen, frozen_graphdef=frozen_graphdef)
+        if self.sampled_eval is not None:
+            sampled = lambda st: self.sampled_eval.metrics(merge(graphdef, st))  # noqa: E731
+        evaluate = None
+        if losses is not None or sampled is not None:
+            def evaluate(st) -> dict:
+                return {**(losses(st) if losses else {}), **(sampled(st) if sampled else {})}
         return Setup(graphdef, state, raw, frozen, p.batches(graphdef), evaluate)
 
     def train(self) -> dict:

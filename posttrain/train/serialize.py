@@ -39,15 +39,18 @@ def save_state(state: nnx.State, path: str) -> None:
         raise
 
 
-def load_state(path: str, like: nnx.State) -> nnx.State:
-    """Values from `path` placed into a copy of the structure `like` (shapes must match)."""
-    if not os.path.isfile(path):
-        raise PosttrainError(f"{path}: weights file is missing; was the run finished?")
-    try:
-        data = load_file(path)
-    except (SafetensorError, OSError) as e:  # a torn or foreign file (header, sizes)
-        raise PosttrainError(f"{path}: not a readable safetensors file ({e}); the file is corrupt or truncated, "
-                             "copy it again or train the run again") from None
+def load_state(path: str, like: nnx.State, arrays: dict | None = None) -> nnx.State:
+    """Values from `path` placed into a copy of the structure `like` (shapes must match); `arrays`
+    ({dotted key: array}, e.g. a checkpoint's parameters) instead of the file, `path` naming them."""
+    data = arrays
+    if data is None:
+        if not os.path.isfile(path):
+            raise PosttrainError(f"{path}: weights file is missing; was the run finished?")
+        try:
+            data = load_file(path)
+        except (SafetensorError, OSError) as e:  # a torn or foreign file (header, sizes)
+            raise PosttrainError(f"{path}: not a readable safetensors file ({e}); the file is corrupt or truncated, "
+                                 "copy it again or train the run again") from None
     flat = []
     for p, v in nnx.to_flat_state(like):
         k = _key(p)
