@@ -158,8 +158,8 @@ def compare_runs(run_dirs: Sequence[str], png_path: str) -> tuple[str, str]:
     if not keys:
         raise PosttrainError(f"none of {', '.join(run_dirs)} logged evaluation metrics (eval_*); train with "
                              "train.eval_every and data.eval (and eval.k for sampled answers)")
-    width = max(len(n) for n, _ in runs)
-    lines = [f"{'run':<{width}} | {'metric':<16} | {'last':>9} | {'best':>9} | best step", "-" * (width + 56)]
+    width, mw = max(3, *(len(n) for n, _ in runs)), max(6, *map(len, keys))
+    lines = [f"{'run':<{width}} | {'metric':<{mw}} | {'last':>9} | {'best':>9} | best step", "-" * (width + mw + 40)]
     for name, series in runs:
         for k in keys:
             if k not in series:
@@ -167,7 +167,7 @@ def compare_runs(run_dirs: Sequence[str], png_path: str) -> tuple[str, str]:
             steps, values = series[k]
             lower = k.endswith(("loss", "length", "kl"))  # smaller is better for these
             i = min(range(len(values)), key=lambda j: values[j] if lower else -values[j])
-            lines.append(f"{name:<{width}} | {k:<16} | {values[-1]:>9.4f} | {values[i]:>9.4f} | {_fmt(steps[i])}")
+            lines.append(f"{name:<{width}} | {k:<{mw}} | {values[-1]:>9.4f} | {values[i]:>9.4f} | {_fmt(steps[i])}")
     cols = min(3, len(keys))
     rows = -(-len(keys) // cols)
     fig = Figure(figsize=(4.6 * cols, 3.3 * rows), dpi=100)

@@ -246,3 +246,34 @@ def test_eval_cli_names_a_bad_row_and_exits_2(tmp_path, capsys):
                     tokenizer=tok)
     assert cli.main(["eval", "--model", str(hf), "--data", str(bad), "--k", "2"]) == 2
     assert f"{bad}:2" in capsys.readouterr().err
+
+
+def test_sft_logs_its_loss_and_sampled_evaluation_of_the_same_held_out_rows(tmp_path):
+    from posttrain import config as C
+    from posttrain.trainers.sft import SFTTrainer
+
+    data = os.path.join(HERE, "data", "sft_prompt_completion.jsonl")
+    cfg = C.from_dict(C.SFTConfig, {
+        "model": {"preset": "demo-tiny"}, "data": {"train": data, "eval": data, "max_length": 16},
+        "train": {"steps": 2, "batch_size": 2, "log_every": 1, "eval_every": 1},
+        "eval": {"k": 3, "max_new_tokens": 3}, "metrics": {"sinks": ["jsonl"]}, "run_dir": str(tmp_path / "sft")})
+    SFTTrainer(cfg, progress=False).train()
+    evals = [r for r in map(json.loads, open(tmp_path / "sft" / "metrics.jsonl")) if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [1, 2]
+    assert all({"eval_pass@1", "eval_pass@3", "eval_maj@3"} <= set(r) for r in evals)
+
+
+def test_held_out_rows_of_every_trainer_become_prompts_with_their_reference_answer():
+    from posttrain.data.prompts import as_prompt_row
+
+    assert as_prompt_row({"prompt": "2+2=", "completion": "4"}, "f:1")["answer"] == "4"
+    assert as_prompt_row({"prompt": "q", "chosen": "yes", "rejected": "no"}, "f:1")["answer"] == "yes"
+    assert as_prompt_row({"prompt": "q", "completion": "x", "answer": "7"}, "f:1")["answer"] == "7"
+    chat = as_prompt_row({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                       {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]},
+                         "f:1")
+    assert chat["answer"] == "d" and [m["content"] for m in chat["prompt"]] == ["a", "b", "c"]
+    from posttrain.errors import PosttrainError
+
+    with pytest.raises(PosttrainError, match="f:3: the conversation has no assistant turn"):
+        as_prompt_row({"messages": [{"role": "user", "content": "a"}]}, "f:3")

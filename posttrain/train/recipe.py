@@ -104,6 +104,8 @@ class Recipe:
     # make the sampler's policy differ from the trainer's), its loss normalises over the whole batch (no
     # micro-batches) and it evaluates sampled answers only (eval.k).
     samples: ClassVar[bool] = False
+    generates: ClassVar[bool] = True  # the model can sample answers (eval.k); False for a score head
+
 
     def __init__(self, config, *, progress: bool = True):
         self.config, self.progress = config, progress
@@ -115,6 +117,8 @@ class Recipe:
                         ("checkpoint.best_metric", config.checkpoint.best_metric)):
             if on and not getattr(config.data, "eval", None):
                 raise PosttrainError(f"{key} is set but data.eval is not; give data.eval=FILE or set {key}=0")
+        if config.eval.k and not self.generates:
+            raise PosttrainError(f"eval.k: a {self.name} model does not generate answers to sample; set eval.k=0")
         self.tokenizer = build_tokenizer(config.model)
         self.mesh, self.rules = build_mesh(config.sharding)
         self.load()

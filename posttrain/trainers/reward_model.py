@@ -131,6 +131,7 @@ class RMTrainer(Recipe):
     name = "rm"
     help = "reward model: a score head trained Bradley-Terry"
     config_class = RMConfig
+    generates = False  # a score head: no sampled evaluation
 
     def load(self) -> None:
         c, tok = self.config, self.tokenizer
