@@ -485,3 +485,113 @@ def test_policy_loss_jits_and_keeps_float32():
     for loss, metrics in out.values():
         assert loss.dtype == jnp.float32 and np.isfinite(float(loss))
         assert all(v.dtype == jnp.float32 for v in metrics.values())
+
+
+# ------------------------------------------------------------------- sampler / trainer mismatch correction
+
+IS_CASES = [(mode, hi, lo) for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+            for hi, lo in ((3.0, None), (1.3, 0.6))]
+NS = 16  # 4 groups x 4 samples
+
+
+def _is_data():
+    """16 samples: fixed new / old log-probs and a sampler that differs from old per token and per sample
+    (ratios on both sides of every bound), one NaN sampling log-prob (vLLM's None), varied lengths."""
+    _, _, lengths = _completion_lists(NS)
+    width = int(lengths.max())
+    rng = np.random.default_rng(11)
+    mask = (np.arange(width)[None] < lengths[:, None]).astype(np.int64)
+    new = -rng.uniform(0.05, 3.0, size=(NS, width))
+    old = new + rng.normal(0.0, 0.2, size=(NS, width)) + rng.normal(0.0, 0.1, size=(NS, 1))
+    sampler = old + rng.normal(0.0, 0.25, size=(NS, width)) + rng.normal(0.0, 0.3, size=(NS, 1))
+    sampler[3, 0] = np.nan
+    sampler = np.where(mask > 0, sampler, 0.0)  # TRL pads the sampler's log-probs with 0
+    return dict(new=new, old=old, sampler=sampler, mask=mask, lengths=lengths)
+
+
+def _trl_corrected(trl, d, *, mode, hi, lo, loss_type):
+    """TRL's own path: `_generate_and_score_completions` with a vLLM-like `_generate` returning the sampler's
+    log-probs (its IS ratio and sampling/* metrics), then `_compute_loss` on its output (loss, gradient)."""
+    torch = trl.torch
+    prompt_ids, completion_ids, _ = _completion_lists(NS)
+    sampler_lists = [[None if np.isnan(x) else float(x) for x in d["sampler"][i, :n]] for i, n in
+                     enumerate(d["lengths"])]
+    common = dict(use_vllm=True, vllm_importance_sampling_correction=True, vllm_importance_sampling_mode=mode,
+                  vllm_importance_sampling_clip_max=hi, vllm_importance_sampling_clip_min=lo)
+    old = torch.from_numpy(d["old"].copy())
+    gen = _generation_self(
+        trl, _reward_table(False), NG, environment_factories=None, tools=None, environments=[], num_iterations=1,
+        beta=0.0, ref_model=None, multi_objective_aggregation="sum_then_normalize", scale_rewards="group",
+        _generate=lambda prompts: (prompt_ids, completion_ids, None, ["c"] * NS, sampler_lists, {}, None, None),
+        _get_per_token_logps_and_entropies=lambda *a, **kw: (old, None, None), **common)
+    inputs = trl.GRPOTrainer._generate_and_score_completions(gen, [{"prompt": f"p{i // NG}"} for i in range(NS)])
+    new = torch.from_numpy(d["new"].copy()).requires_grad_(True)
+    self = types.SimpleNamespace(
+        _get_per_token_logps_and_entropies=lambda model, *a, **kw: (new, torch.zeros_like(new), None),
+        aux_loss_enabled=False, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=0.0, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28,
+        args=types.SimpleNamespace(use_bias_correction_kl=True, delta=None, sapo_temperature_pos=1.0,
+                                   sapo_temperature_neg=1.05, vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0,
+                                   vespo_lambda_neg=2.0, steps_per_generation=1),
+        model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        max_completion_length=MAX_COMPLETION_LENGTH, accelerator=_accelerator(torch), _entropy_bonus_enabled=False,
+        _metrics=_metrics(), get_gamma_weights=trl.GRPOTrainer.get_gamma_weights, **common)
+    loss = trl.GRPOTrainer._compute_loss(self, None, inputs)
+    loss.backward()
+    sampling = {k: v[-1] for k, v in gen._metrics["train"].items() if k.startswith("sampling/")}
+    return loss.item(), sampling, new.grad.numpy(), inputs["advantages"].numpy()
+
+
+def _ours_corrected(d, adv, *, mode, hi, lo, loss_type, sampler=None):
+    def loss_fn(new):
+        return policy_loss(new, jnp.asarray(d["old"]), jnp.asarray(adv), jnp.asarray(d["mask"]), loss_type=loss_type,
+                           epsilon_high=0.28, max_completion_length=MAX_COMPLETION_LENGTH,
+                           sampler_logps=jnp.asarray(d["sampler"] if sampler is None else sampler), is_mode=mode,
+                           is_clip_max=hi, is_clip_min=lo)
+
+    return jax.value_and_grad(loss_fn, has_aux=True)(jnp.asarray(d["new"]))
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "vespo"])
+@pytest.mark.parametrize("mode,hi,lo", IS_CASES)
+def test_sampler_correction_matches_trl(trl, mode, hi, lo, loss_type):
+    """Loss, gradient and TRL's sampling/* metrics of each correction mode, both clip bounds, with padding
+    and a NaN sampling log-prob (float64, <= 1e-6); the weights do cut or zero some tokens / samples."""
+    if loss_type == "vespo" and mode.startswith("sequence"):
+        with pytest.raises(ValueError, match="token-level"):
+            _ours_corrected(_is_data(), np.zeros(NS), mode=mode, hi=hi, lo=lo, loss_type=loss_type)
+        return
+    d = _is_data()
+    t_loss, t_sampling, t_grad, adv = _trl_corrected(trl, d, mode=mode, hi=hi, lo=lo, loss_type=loss_type)
+    (loss, metrics), grad = _ours_corrected(d, adv, mode=mode, hi=hi, lo=lo, loss_type=loss_type)
+    what = f"{loss_type}/{mode}/[{lo}, {hi}]"
+    _close(loss, t_loss, f"{what}: loss")
+    _close(grad, t_grad, f"{what}: d loss / d new_logps")
+    assert len(t_sampling) == 5 and set(t_sampling) < set(metrics) and "sampling/mismatch_kl" in metrics
+    for k, v in t_sampling.items():
+        _close(metrics[k], v, f"{what}: {k}")
+    w, _ = __import__("posttrain.losses", fromlist=["sampler_correction"]).sampler_correction(
+        d["old"], d["sampler"], d["mask"], is_mode=mode, is_clip_max=hi, is_clip_min=lo)
+    raw = np.exp(np.nan_to_num((d["old"] - d["sampler"]) * d["mask"]))
+    raw = raw.prod(-1, keepdims=True) if mode.startswith("sequence") else raw
+    assert np.any(np.asarray(w) != raw)  # the bounds bite on these inputs
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "vespo"])
+@pytest.mark.parametrize("mode", ["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"])
+def test_sampler_equal_to_old_reduces_every_mode_to_the_uncorrected_loss(mode, loss_type):
+    if loss_type == "vespo" and mode.startswith("sequence"):
+        return
+    d = _is_data()
+    adv = np.random.default_rng(2).normal(size=NS)
+    (loss, metrics), grad = _ours_corrected(d, adv, mode=mode, hi=3.0, lo=0.5, loss_type=loss_type, sampler=d["old"])
+
+    def plain(new):
+        return policy_loss(new, jnp.asarray(d["old"]), jnp.asarray(adv), jnp.asarray(d["mask"]), loss_type=loss_type,
+                           epsilon_high=0.28, max_completion_length=MAX_COMPLETION_LENGTH)
+
+    (want, _), want_grad = jax.value_and_grad(plain, has_aux=True)(jnp.asarray(d["new"]))
+    assert abs(float(loss) - float(want)) <= 1e-12
+    np.testing.assert_allclose(grad, want_grad, atol=1e-12)
+    assert float(metrics["sampling/mismatch_kl"]) == 0.0 and float(metrics["sampling/importance_sampling_ratio/max"]) == 1

@@ -25,7 +25,7 @@ from posttrain.losses.distill import (
     logit_distill_loss,
     pool_features,
 )
-from posttrain.losses.policy import POLICY_LOSS_TYPES, policy_loss, token_kl
+from posttrain.losses.policy import IS_MODES, POLICY_LOSS_TYPES, policy_loss, sampler_correction, token_kl
 from posttrain.losses.ppo import gae, masked_whiten, token_rewards, value_loss
 from posttrain.losses.preference import (
     DPO_LOSS_TYPES,
@@ -54,6 +54,8 @@ __all__ = [
     "weighted_rewards",
     "POLICY_LOSS_TYPES",
     "policy_loss",
+    "IS_MODES",
+    "sampler_correction",
     "token_kl",
     # RL: PPO with a critic
     "gae",

@@ -44,6 +44,52 @@ POLICY_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"
 _CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-clip objective (+ optional δ cap)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# Sampler/trainer mismatch correction (TRL 1.16's vllm_importance_sampling_mode).
+IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_correction(old_logps, sampler_logps, mask, *, is_mode="sequence_mask", is_clip_max=3.0, is_clip_min=None):
+    """(weights, metrics) correcting for a sampler whose log-probs differ from the trainer's own (another
+    precision, another engine): TRL 1.16's `vllm_importance_sampling_*` computation.
+
+    d = (old - sampler)·m, NaN sampler log-probs giving d = 0 (no correction); token modes: w = exp(d) per
+    token [N, T]; sequence modes: w = exp(Σ_t d) per sample [N, 1]. *_truncate clips w to [is_clip_min,
+    is_clip_max] (None: no bound); *_mask sets w = 0 outside it. The weights are constants (no gradient).
+    Metrics (TRL's names): sampling/sampling_logp_difference/{mean,max} of |old - sampler| over the tokens
+    (NaN ones left out), sampling/importance_sampling_ratio/{min,mean,max} of w (over the tokens at token
+    level, over every sample at sequence level; 0 when there are none), and sampling/mismatch_kl: the
+    k3 estimate of KL(π_sampler ‖ π_old) per token from the sampler's own samples, r - 1 - log r with
+    r = exp(old - sampler), averaged over the tokens."""
+    if is_mode not in IS_MODES:
+        raise ValueError(f"unknown is_mode {is_mode!r}; expected one of {list(IS_MODES)}")
+    old = jax.lax.stop_gradient(jnp.asarray(old_logps))
+    sampler = jnp.asarray(sampler_logps, old.dtype)
+    m = jnp.asarray(mask).astype(old.dtype)
+    diff = jnp.nan_to_num((old - sampler) * m, nan=0.0)
+    seq = is_mode.startswith("sequence")
+    w = jnp.exp(diff.sum(-1, keepdims=True) if seq else diff)
+    lo = -jnp.inf if is_clip_min is None else is_clip_min
+    hi = jnp.inf if is_clip_max is None else is_clip_max
+    if is_mode.endswith("truncate"):
+        w = jnp.clip(w, lo, hi)
+    else:
+        w = jnp.where((w < lo) | (w > hi), 0.0, w)
+    w = jax.lax.stop_gradient(w)
+    tokens = (m > 0) & ~jnp.isnan(sampler)
+    n_tok = tokens.sum()
+    delta = jnp.where(tokens, jnp.abs(old - jnp.nan_to_num(sampler)), 0.0)
+    r = jnp.where(tokens, old - jnp.nan_to_num(sampler), 0.0)
+    where = jnp.ones(w.shape, bool) if seq else m > 0
+    count = where.sum()
+    metrics = {
+        "sampling/sampling_logp_difference/mean": jnp.where(n_tok > 0, delta.sum() / jnp.maximum(n_tok, 1), 0.0),
+        "sampling/sampling_logp_difference/max": jnp.where(n_tok > 0, jnp.max(delta), 0.0),
+        "sampling/importance_sampling_ratio/min": jnp.where(count > 0, jnp.min(jnp.where(where, w, jnp.inf)), 0.0),
+        "sampling/importance_sampling_ratio/mean": jnp.where(count > 0, jnp.sum(jnp.where(where, w, 0.0))
+                                                             / jnp.maximum(count, 1), 0.0),
+        "sampling/importance_sampling_ratio/max": jnp.where(count > 0, jnp.max(jnp.where(where, w, -jnp.inf)), 0.0),
+        "sampling/mismatch_kl": jnp.sum(jnp.where(tokens, jnp.exp(r) - 1 - r, 0.0)) / jnp.maximum(n_tok, 1)}
+    return w, {k: v.astype(old.dtype) for k, v in metrics.items()}
 
 
 def token_kl(new_logps, ref_logps, estimator="k3"):
@@ -86,6 +132,10 @@ def policy_loss(
     vespo_lambda_pos=3.0,
     vespo_k_neg=3.0,
     vespo_lambda_neg=2.0,
+    sampler_logps=None,
+    is_mode="sequence_mask",
+    is_clip_max=3.0,
+    is_clip_min=None,
 ):
     """(loss scalar, metrics dict of scalars) of one GRPO-family policy loss, as TRL 1.16.
 
@@ -123,8 +173,14 @@ def policy_loss(
     level it ignores the mask; this function decides by `importance_sampling_level` instead.)
       cispo_clip_ratio   (cispo) fraction of tokens with ρ > ε_h and A > 0.
       vespo_phi_seq_mean (vespo) mean of φ over samples.
-    Not here (TRL options that need other inputs): vLLM importance-sampling correction, off-policy
-    sequence masking, top-entropy token masking, the entropy bonus, MoE aux loss.
+    Sampler/trainer mismatch correction (`sampler_logps` [N, T]: the log-probs the sampler computed for its
+      own tokens, when they are not the trainer's, e.g. a bfloat16 sampler): the weights of
+      `sampler_correction` (is_mode, is_clip_max, is_clip_min: TRL's vllm_importance_sampling_mode /
+      _clip_max / _clip_min) multiply ℓ_t before the KL term (vespo: log w joins the sequence log-ratio of
+      φ, token modes only, as TRL); masked tokens still count in the normalisers; its metrics are added.
+      None (default): no correction; sampler_logps == old_logps gives the uncorrected loss.
+    Not here (TRL options that need other inputs): off-policy sequence masking, top-entropy token
+    masking, the entropy bonus, MoE aux loss.
     """
     if loss_type not in POLICY_LOSS_TYPES:
         raise ValueError(f"unknown policy loss_type {loss_type!r}; expected one of {list(POLICY_LOSS_TYPES)}")
@@ -133,6 +189,9 @@ def policy_loss(
                          f"{list(IMPORTANCE_SAMPLING_LEVELS)}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown kl_estimator {kl_estimator!r}; expected one of {list(KL_ESTIMATORS)}")
+    if sampler_logps is not None and loss_type == "vespo" and not is_mode.startswith("token"):
+        raise ValueError(f"policy_loss: vespo takes token-level sampler corrections only (is_mode token_truncate or "
+                         f"token_mask), got {is_mode!r}")
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"policy_loss(beta={beta}) needs ref_logps (the reference model's per-token log-probs); "
                          "set beta=0.0 to train without a reference")
@@ -168,7 +227,13 @@ def policy_loss(
         if kl_bias_correction:
             kl = kl * coef_1
 
-    metrics = {}
+    metrics, is_w = {}, None
+    if sampler_logps is not None:
+        if jnp.shape(sampler_logps) != new.shape:
+            raise ValueError(f"policy_loss: sampler_logps has shape {jnp.shape(sampler_logps)}, new_logps {new.shape}")
+        is_w, is_metrics = sampler_correction(old, sampler_logps, m, is_mode=is_mode, is_clip_max=is_clip_max,
+                                              is_clip_min=is_clip_min)
+        metrics.update(is_metrics)
     if loss_type == "cispo":
         clamped = jax.lax.stop_gradient(jnp.minimum(coef_1, epsilon_high))
         per_token = -clamped * adv * new
@@ -181,9 +246,11 @@ def policy_loss(
         temps = jnp.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).astype(dtype)
         per_token = -(jax.nn.sigmoid(temps * (coef_1 - 1)) * 4 / temps) * adv
     else:  # vespo: a stop-gradient Gamma weight of the sequence ratio times the REINFORCE term
-        phi = _vespo_weights(log_ratio, m, adv, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg)
+        phi = _vespo_weights(log_ratio, m, adv, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, is_w)
         per_token = -phi * adv * new
 
+    if is_w is not None and loss_type != "vespo":
+        per_token = per_token * is_w
     if beta != 0.0:
         per_token = per_token + beta * kl
     masked = per_token * m  # broadcasts [N, 1] (sequence level, no KL) to [N, T]
@@ -232,11 +299,13 @@ def policy_loss(
     return loss, metrics
 
 
-def _vespo_weights(log_ratio, m, adv, k_pos, lambda_pos, k_neg, lambda_neg):
-    """VESPO's φ per sample ([N, 1], no gradient), TRL 1.16 `GRPOTrainer.get_gamma_weights` without the
-    vLLM importance-sampling term: φ(w) = e^λ·w^k·e^(-λw) computed in log space, φ(1) = 1."""
+def _vespo_weights(log_ratio, m, adv, k_pos, lambda_pos, k_neg, lambda_neg, is_w=None):
+    """VESPO's φ per sample ([N, 1], no gradient), TRL 1.16 `GRPOTrainer.get_gamma_weights`: φ(w) =
+    e^λ·w^k·e^(-λw) computed in log space, φ(1) = 1; a sampler correction `is_w` adds Σ_t clip(log w_t)."""
     log_ratio = jax.lax.stop_gradient(log_ratio)
     seq_log_ratio = jnp.sum(jnp.clip(log_ratio, -20.0, 20.0) * m, axis=-1, keepdims=True)
+    if is_w is not None:
+        seq_log_ratio = seq_log_ratio + jnp.sum(jnp.clip(jnp.log(is_w), math.log(1e-8), 20.0), -1, keepdims=True)
     log_w = jnp.clip(seq_log_ratio, math.log(1e-8), 20.0)
     nonneg = adv >= 0
     k = jnp.where(nonneg, k_pos, k_neg).astype(log_w.dtype)
