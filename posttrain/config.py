@@ -291,6 +291,21 @@ class Sampling(Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutSection(Section):
+    """How an RL recipe's sampler relates to the trained weights: its precision and the correction of the
+    log-prob mismatch that a different precision brings (docs/guides/grpo.md)."""
+
+    key = "rollout"
+
+    dtype: Literal["float32", "bfloat16"] | None = None  # sampling precision; None = the model's (exact log-probs)
+    # importance-sampling correction of the sampler/trainer mismatch (TRL's vllm_importance_sampling_mode):
+    # token_truncate (TIS), token_mask, sequence_truncate, sequence_mask; None = none
+    is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = None
+    is_clip_max: Positive | None = 3.0  # upper bound of the correction weight (truncate: clip; mask: zero above)
+    is_clip_min: NonNegative | None = None  # lower bound; None = none
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Rewards(Section):
     """The reward settings of an RL section (grpo, ppo; `rewards.registry` reads them), flattened into it."""
 

@@ -181,3 +181,52 @@ def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path):
     for x, y in zip(jax.tree.leaves(nnx.state(first.model, nnx.Param)),
                     jax.tree.leaves(nnx.state(resumed.model, nnx.Param))):
         np.testing.assert_array_equal(x, y)
+
+
+def parity_reward(prompts, completions, **_):
+    return [float(len(c) % 2 == 0) for c in completions]
+
+
+def test_a_bfloat16_sampler_is_corrected_and_its_mismatch_logged(tmp_path):
+    """rollout.dtype=bfloat16: the sampler casts the float32 training weights (its cache is bfloat16 too), its
+    log-probs differ from the trainer's by bfloat16 round-off (logged as TRL's sampling/* metrics and the
+    mismatch KL), and with rollout.is_mode the truncated IS weights scale the loss (a loss that differs from
+    the uncorrected one on the same rollouts)."""
+    from posttrain.generate import Sampler, SamplingParams
+    from posttrain.losses.grpo import make_grpo_loss
+
+    cfg = config(tmp_path, **{"rollout.dtype": "bfloat16", "rollout.is_mode": "token_truncate",
+                              "grpo.rewards": {"test_grpo:parity_reward": 1.0}, "train.steps": 2})
+    trainer = GRPOTrainer(cfg, progress=False)
+    parts = trainer.setup()
+    sampler = parts.batches.sampler
+    assert {x.dtype for x in jax.tree.leaves(sampler.state) if jnp.issubdtype(x.dtype, jnp.floating)} == {
+        jnp.dtype(jnp.bfloat16)}
+    batch = parts.batches(parts.state)
+    assert "sampler_logps" in batch and "old_logps" not in batch
+    model = merge(parts.graphdef, parts.state)
+    f32 = Sampler(model, max_len=16).generate([[5, 6, 7]], SamplingParams(max_new_tokens=4, temperature=1.0))
+    b16 = Sampler(model, max_len=16, dtype="bfloat16").generate([[5, 6, 7]], SamplingParams(max_new_tokens=4,
+                                                                                            temperature=1.0))
+    assert np.array_equal(f32.tokens, b16.tokens)  # same key, nearly the same distribution
+    gap = np.abs(f32.logprobs - b16.logprobs).max()
+    assert 0 < gap < 0.05
+    kw = dict(num_generations=4, max_new_tokens=4)
+    b = {k: jnp.asarray(v) for k, v in batch.items()}
+    corrected = make_grpo_loss(**kw, is_mode="token_truncate", is_clip_max=1.0)(model, b)
+    plain = make_grpo_loss(**kw)(model, b)
+    assert corrected[1]["sampling/sampling_logp_difference/max"] > 0
+    assert float(corrected[0]) != float(plain[0]) and "sampling/mismatch_kl" in plain[1]
+    trainer.train()
+    logged = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    for m in logged:
+        assert 0 < m["sampling/sampling_logp_difference/mean"] < 0.05 and 0 <= m["sampling/mismatch_kl"] < 1e-3
+        assert 0.9 < m["sampling/importance_sampling_ratio/min"] <= m["sampling/importance_sampling_ratio/max"] < 1.1
+
+
+@pytest.mark.parametrize("over, words", [
+    ({"rollout.dtype": "bfloat16", "grpo.num_iterations": 2}, "needs grpo.num_iterations=1"),
+    ({"rollout.is_mode": "token_mask"}, "corrects a sampler in another precision")])
+def test_rollout_settings_are_checked(tmp_path, over, words):
+    with pytest.raises(Exception, match=words):
+        config(tmp_path, **over)

@@ -279,3 +279,18 @@ def count_params(model_or_state) -> int:
     """Number of parameters (works on abstract `eval_shape` models too)."""
     state = nnx.state(model_or_state, nnx.Param) if isinstance(model_or_state, nnx.Module) else model_or_state
     return int(sum(x.size for x in jax.tree.leaves(state)))
+
+
+def with_compute_dtype(model: nnx.Module, dtype: str) -> nnx.Module:
+    """A module over the same arrays as `model` (no copy) whose activations and KV cache are in `dtype`: its
+    config's `dtype` and every layer's compute dtype replaced (a bfloat16 sampler over float32 weights casts
+    them itself; see `generate.Sampler(dtype=...)`)."""
+    graphdef, state = nnx.split(model)
+    view = nnx.merge(graphdef, state)
+    dt = jnp.dtype(dtype)
+    for _, m in nnx.iter_modules(view):
+        if isinstance(getattr(m, "cfg", None), ModelConfig):
+            m.cfg = m.cfg.replace(dtype=dt.name)
+        if isinstance(getattr(m, "dtype", None), jnp.dtype):
+            m.dtype = dt
+    return view

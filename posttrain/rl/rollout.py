@@ -168,6 +168,8 @@ class GroupRollout:
             w = batch["score_w"][i].reshape(n, T)
             w[~keep[list(rows)]] = 0.0  # dropped samples (reward failures with on_error="drop") leave the loss
         batch["old_logps"] *= batch["score_w"] != 0
+        if self.sampler.dtype is not None:  # another precision than the trainer's: not the old policy's log-probs
+            batch["sampler_logps"] = batch.pop("old_logps")
         return batch
 
 

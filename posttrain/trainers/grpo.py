@@ -76,9 +76,17 @@ class GRPOConfig(C.RunConfig):
     grpo: GRPOSection = dataclasses.field(default_factory=GRPOSection)  # sampling, loss, rewards
     env: EnvSection = dataclasses.field(default_factory=EnvSection)  # multi-turn tool episodes; off by default
     tools: ToolsSection = dataclasses.field(default_factory=ToolsSection)  # the tools episodes may call
+    rollout: C.RolloutSection = dataclasses.field(default_factory=C.RolloutSection)  # sampling precision, correction
     run_dir: str = "runs/grpo"  # folder for checkpoints, logs and the saved config
 
     def __post_init__(self):
+        own = self.rollout.dtype in (None, self.model.compute_dtype or self.model.dtype)  # exact log-probs
+        if not own and (self.env.enabled or self.grpo.num_iterations > 1):
+            raise PosttrainError("rollout.dtype other than model.dtype needs grpo.num_iterations=1 and env.enabled=false "
+                                 "for now (the old policy is then the trainer's own); change one of them")
+        if self.rollout.is_mode and own:
+            raise PosttrainError(f"rollout.is_mode={self.rollout.is_mode} corrects a sampler in another precision, but "
+                                 "rollout.dtype is the model's (its log-probs are exact); set rollout.dtype or drop it")
         if self.env.enabled:
             if self.grpo.rewards != {"math_answer": 1.0}:
                 raise PosttrainError("grpo.rewards is not used with env.enabled (env.verifier scores each episode); "
@@ -116,7 +124,9 @@ class GRPOTrainer(Recipe):
         self.loss_fn = make_grpo_loss(num_generations=g.num_generations, max_new_tokens=width,
                                       temperature=g.temperature, loss_type=g.loss_type, epsilon_low=g.epsilon_low,
                                       epsilon_high=g.epsilon_high, beta=g.beta, delta=g.delta,
-                                      importance_sampling_level=g.importance_sampling_level)
+                                      importance_sampling_level=g.importance_sampling_level,
+                                      is_mode=c.rollout.is_mode, is_clip_max=c.rollout.is_clip_max,
+                                      is_clip_min=c.rollout.is_clip_min)
         if g.beta and c.lora.enabled:
             self.loss_fn = lora_reference(self.loss_fn)
 
@@ -126,7 +136,7 @@ class GRPOTrainer(Recipe):
         # one prompt bucket (the longest prompt's): prefill and decode compile once for the whole run
         longest = max(len(p.ids) for p in self.prompts)
         sampler = Sampler(self.model, max_len=c.data.max_prompt_length + self.width, pad_id=tok.pad_id,
-                          mesh=self.mesh, rules=self.rules, buckets=(longest,))
+                          mesh=self.mesh, rules=self.rules, buckets=(longest,), dtype=c.rollout.dtype)
         params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                 top_k=g.top_k, n=g.num_generations, stop_ids=tok.eos_ids)
         common = dict(batch_size=c.train.batch_size, n=g.num_generations, params=params, length=self.length,
