@@ -56,10 +56,11 @@ def sft_stage(out: str, s: dict, progress: bool):
     return SFTTrainer(cfg, progress=progress).train()
 
 
-def grpo_stage(out: str, s: dict, progress: bool):
+def grpo_stage(out: str, s: dict, progress: bool, run_dir: str | None = None, **sections):
+    """The GRPO stage; `run_dir` and extra config `sections` (e.g. rollout={...}) for variants of it."""
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 
-    cfg = C.from_dict(GRPOConfig, {
+    cfg = C.from_dict(GRPOConfig, {**{
         "model": {"path": f"{out}/sft/hf"},
         "data": {"train": f"{out}/data/prompts.jsonl", "eval": f"{out}/data/eval.jsonl", "max_prompt_length": 8},
         "grpo": {"num_generations": s["generations"], "max_new_tokens": 4, "rewards": {"last_number": 1.0}},
@@ -69,7 +70,8 @@ def grpo_stage(out: str, s: dict, progress: bool):
         # pass@1 step is kept (`posttrain export --run <out>/grpo --best`)
         "eval": {"k": 8, "max_prompts": s["eval_prompts"]},
         "checkpoint": {"best_metric": "eval_pass@1"},
-        **_common(f"{out}/grpo", s["grpo_steps"], s["grpo_batch"], 10, eval_every=10)}, where="demo grpo")
+        **_common(run_dir or f"{out}/grpo", s["grpo_steps"], s["grpo_batch"], 10, eval_every=10)}, **sections},
+        where="demo grpo")
     return GRPOTrainer(cfg, progress=progress).train()
 
 
