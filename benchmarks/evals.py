@@ -34,6 +34,7 @@ from flax import nnx  # noqa: E402
 
 from posttrain.data.prompts import Prompt  # noqa: E402
 from posttrain.evals import SampledEval  # noqa: E402
+from posttrain.rewards import functions as F  # noqa: E402
 from posttrain.rewards.functions import math_answer_reward  # noqa: E402
 from posttrain.tasks import addition  # noqa: E402
 
@@ -74,6 +75,8 @@ for _ in range(args.rounds):
     t0 = time.perf_counter()
     generate_alone()
     times["generate"].append(time.perf_counter() - t0)
+    for cached in (F.extract_answer, F.normalize_answer, F._as_fraction, F._answer_key):
+        cached.cache_clear()  # each evaluation starts cold, as one with new weights (new answers) would
     t0 = time.perf_counter()
     summary, _ = ev.run(model)
     times["evaluation"].append(time.perf_counter() - t0)

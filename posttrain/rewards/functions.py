@@ -31,6 +31,7 @@ eq. 13; GSM8K's `#### answer` convention (Cobbe et al. 2021); MATH's `\boxed{}` 
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -94,6 +95,7 @@ def boxed_contents(text: str) -> list[str]:
     return out
 
 
+@functools.lru_cache(maxsize=1 << 16)  # pure; a batch repeats references and answers
 def extract_answer(text: str, *, last_number: bool = False) -> Optional[str]:
     r"""The final answer of a solution text, or None when it has none.
 
@@ -119,6 +121,7 @@ def extract_answer(text: str, *, last_number: bool = False) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # pure; a batch repeats references and answers
 def normalize_answer(s: str) -> str:
     r"""The comparison form of an answer string: `\text{x}`-style wrappers unwrapped, `\left`/`\right`,
     LaTeX spaces (`\! \, \; \:`), `$` and `\$` and all whitespace removed, `\dfrac`/`\tfrac` -> `\frac`,
@@ -138,6 +141,7 @@ def normalize_answer(s: str) -> str:
     return s
 
 
+@functools.lru_cache(maxsize=1 << 16)  # pure; a batch repeats references and answers
 def _as_fraction(s: str) -> Optional[Fraction]:
     """The exact value of a normalised answer: a decimal (`3`, `-0.5`, `.5`, `1e3`), `a/b` with
     decimal a, b, or `\\frac{a}{b}`; None for anything else (or a zero denominator)."""
@@ -172,7 +176,12 @@ def answer_key(text: Any) -> Optional[str]:
     """The voting key of a completion's final answer (maj@k): `extract_answer` with the last-number
     fallback, normalised (`normalize_answer`), numbers as their exact value (`0.5`, `1/2` and
     `\\frac{1}{2}` vote together); None when the completion has no answer."""
-    ans = extract_answer(_text(text), last_number=True)
+    return _answer_key(_text(text))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # pure; the k samples of a prompt often repeat an answer
+def _answer_key(text: str) -> Optional[str]:
+    ans = extract_answer(text, last_number=True)
     if ans is None:
         return None
     norm = normalize_answer(ans)
