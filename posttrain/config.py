@@ -306,6 +306,18 @@ class RolloutSection(Section):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class MoESection(Section):
+    """Mixture-of-experts settings of an RL recipe."""
+
+    key = "moe"
+
+    # the sampler records the experts each token was routed to; the update's forward uses them (the gate
+    # weights still come from the current router), so the policy gradient goes through the routing the
+    # sample used (R3)
+    routing_replay: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Rewards(Section):
     """The reward settings of an RL section (grpo, ppo; `rewards.registry` reads them), flattened into it."""
 

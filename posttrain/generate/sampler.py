@@ -26,6 +26,7 @@ from flax import nnx
 
 from posttrain.errors import PosttrainError
 from posttrain.generate.sampling import SamplingParams, select
+from posttrain.models.moe import chosen_experts
 from posttrain.models.transformer import KVCache, Transformer, with_compute_dtype
 from posttrain.sharding import use_mesh
 
@@ -39,6 +40,11 @@ class Completions:
     lengths: np.ndarray  # [R] tokens generated (a stop token counts)
     finish_reasons: list  # "stop" | "length" per row
     prompt_index: np.ndarray  # [R] which prompt each row continues
+    # with SamplingParams.record_routes (an MoE model): the experts [.., M MoE layers, k] each token was routed to
+    # when it was fed to the model: routes [R, max_new_tokens, M, k] of the sampled tokens (-1 for a token never
+    # fed: a row's last, and the padding), prompt_routes [B, P, M, k] of prompt i's P tokens (its first len_i)
+    routes: Optional[np.ndarray] = None
+    prompt_routes: Optional[np.ndarray] = None
 
     def texts(self, tokenizer) -> list[str]:
         return [tokenizer.decode(t[:n].tolist()) for t, n in zip(self.tokens, self.lengths)]
@@ -141,7 +147,7 @@ class Sampler:
         self.pad_id = pad_id
         self.traces = collections.Counter()  # compilations (trace count) per function
         self.prefill_rows = 0  # prompt rows prefilled so far (n samples share one)
-        self._prefill = jax.jit(self._prefill_fn)
+        self._prefill = jax.jit(self._prefill_fn, static_argnames=("record",))
         self._decode = jax.jit(self._decode_fn, static_argnames=("params", "max_new"))
         self._turn = jax.jit(self._turn_fn, static_argnames=("params", "max_new", "phases"))
         self._keep = jax.jit(self._keep_fn, static_argnames=("size",))
@@ -153,17 +159,22 @@ class Sampler:
 
     # --------------------------------------------------------------------------------- jitted parts
 
-    def _prefill_fn(self, state, tokens, positions, segments):
+    def _prefill_fn(self, state, tokens, positions, segments, record=False):
         with use_mesh(self.mesh, self.rules):
-            return self._prefill_body(state, tokens, positions, segments)
+            return self._prefill_body(state, tokens, positions, segments, record)
 
-    def _prefill_body(self, state, tokens, positions, segments):
-        """The prompts' next-token logits and a cache of exactly the prompt bucket (decode grows it)."""
+    def _prefill_body(self, state, tokens, positions, segments, record=False):
+        """The prompts' next-token logits and a cache of exactly the prompt bucket (decode grows it); with
+        `record` also the experts of every prompt token ([B, P, M, k])."""
         self.traces["prefill"] += 1
         model = nnx.merge(self.graphdef, state)
         cache = KVCache.init(self.cfg, tokens.shape[0], tokens.shape[1])
-        out = model(tokens, positions, cache=cache, segment_ids=segments, return_hidden=True, return_logits=False)
-        return model.unembed(out.hidden[-1][:, -1:])[:, 0], out.cache
+        out = model(tokens, positions, cache=cache, segment_ids=segments, return_hidden=True, return_logits=False,
+                    return_router_logits=record)
+        logits = model.unembed(out.hidden[-1][:, -1:])[:, 0]
+        if record:
+            return logits, out.cache, chosen_experts(out.router_logits, self.cfg.experts_per_token)
+        return logits, out.cache
 
     def _decode_fn(self, state, logits, cache, next_pos, key, stop, max_new_row, *, params, max_new):
         """logits [B,V] of each prompt's next token; returns tokens, logprobs, lengths [B*n, ...]."""
@@ -179,7 +190,8 @@ class Sampler:
             cache = dataclasses.replace(cache, k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)),
                                         pos=rep(cache.pos), branch=None if cache.branch is None else rep(cache.branch))
             logits, next_pos = rep(logits), rep(next_pos)
-        return self._decode_loop(model, logits, cache, next_pos, key, stop, max_new_row, params, max_new)[:3]
+        out = self._decode_loop(model, logits, cache, next_pos, key, stop, max_new_row, params, max_new)
+        return out[:3] + out[4:]  # tokens, logprobs, lengths (, routes)
 
     def _decode_loop(self, model, logits, cache, next_pos, key, stop, max_new_row, params, max_new, seqs=None,
                      phases=True):
@@ -206,12 +218,21 @@ class Sampler:
         out_tok = jnp.full((R, max_new), self.pad_id, jnp.int32).at[:, 0].set(tok)
         out_lp = jnp.zeros((R, max_new), jnp.float32).at[:, 0].set(lp)
         done = is_stop(tok, hist) | (max_new_row <= 1)
-        carry = (jnp.int32(1), tok, next_pos, cache, done, out_tok, out_lp, jnp.ones((R,), jnp.int32), hist)
+        record = params.record_routes
+        moe_layers = sum(self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers))
+        routes = (jnp.full((R, max_new, moe_layers, self.cfg.experts_per_token), -1, jnp.int32) if record
+                  else None)
+        carry = (jnp.int32(1), tok, next_pos, cache, done, out_tok, out_lp, jnp.ones((R,), jnp.int32), hist, routes)
 
         def body(c):
-            i, tok, pos, cache, done, out_tok, out_lp, lengths, hist = c
+            i, tok, pos, cache, done, out_tok, out_lp, lengths, hist, routes = c
             out = model(tok[:, None], pos[:, None], cache=cache, return_hidden=True, return_logits=False,
-                        rope_tables=ropes)
+                        rope_tables=ropes, return_router_logits=record)
+            if record:  # the token sampled at step i - 1, fed now: its experts (a stopped row's stay -1)
+                chosen = chosen_experts(out.router_logits, self.cfg.experts_per_token)[:, 0]
+                old = jax.lax.dynamic_index_in_dim(routes, i - 1, axis=1, keepdims=False)
+                chosen = jnp.where(done[:, None, None], old, chosen)
+                routes = jax.lax.dynamic_update_index_in_dim(routes, chosen, i - 1, axis=1)
             logits = model.unembed(out.hidden[-1])[:, 0]
             new, lp = select(logits, jax.random.fold_in(key, i), params)
             new = jnp.where(done, self.pad_id, new)
@@ -221,7 +242,7 @@ class Sampler:
             lengths = lengths + (~done).astype(jnp.int32)
             hist = push(hist, new)
             done = done | is_stop(new, hist) | (i + 1 >= max_new_row)
-            return i + 1, new, pos + 1, out.cache, done, out_tok, out_lp, lengths, hist
+            return i + 1, new, pos + 1, out.cache, done, out_tok, out_lp, lengths, hist, routes
 
         # Step i writes cache slot start + i - 1. The cache grows in phases, so attention (which reads
         # every slot of the cache) reads about the filled part only: one while_loop per phase.
@@ -233,7 +254,7 @@ class Sampler:
                 return (c[0] < jnp.minimum(max_new, last)) & ~jnp.all(c[4])
 
             carry = jax.lax.while_loop(cond, body, carry)
-        return carry[5], carry[6], carry[7], carry[3]  # tokens, logprobs, lengths, cache
+        return carry[5], carry[6], carry[7], carry[3], carry[9]  # tokens, logprobs, lengths, cache, routes
 
     def _keep_fn(self, cache, rows, *, size):
         """Rows `rows` of the cache, grown to `size` slots: the rows that go on to the next turn, with room
@@ -259,7 +280,7 @@ class Sampler:
             else:
                 logits, next_pos = jnp.take(head["logits"], head["rows"], 0), jnp.take(head["next_pos"], head["rows"])
             start = cache.index
-            tokens, logps, lengths, cache = self._decode_loop(model, logits, cache, next_pos, key, stop, max_new_row,
+            tokens, logps, lengths, cache, _ = self._decode_loop(model, logits, cache, next_pos, key, stop, max_new_row,
                                                               params, max_new, seqs, phases)
             slot = jnp.arange(cache.size, dtype=jnp.int32)
             cache = dataclasses.replace(cache, pos=jnp.where(slot[None] >= start + lengths[:, None] - 1, -1, cache.pos))
@@ -310,16 +331,24 @@ class Sampler:
         n = params.n
         stops = np.repeat(stop, n, 0)  # per sample row
         key = jax.random.key(0) if key is None else key
-        logits, cache = self._prefill(self.state, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs))
+        record = params.record_routes
+        if record and not self.cfg.num_experts:
+            raise PosttrainError("generate: record_routes needs a mixture-of-experts model (this one has no router)")
+        pre = self._prefill(self.state, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs), record=record)
+        logits, cache = pre[:2]
         self.prefill_rows += B
-        out_tok, out_lp, lengths = self._decode(
-            self.state, logits, cache, jnp.asarray(lens), key, jnp.asarray(stops),
-            jnp.asarray(np.repeat(row_max, n)), params=params, max_new=M)
-        out_tok, out_lp, lengths = jax.device_get((out_tok, out_lp, lengths))
+        out = self._decode(self.state, logits, cache, jnp.asarray(lens), key, jnp.asarray(stops),
+                           jnp.asarray(np.repeat(row_max, n)), params=params, max_new=M)
+        out_tok, out_lp, lengths = (np.asarray(x) for x in jax.device_get(out[:3]))
         last = out_tok[np.arange(len(lengths)), lengths - 1]
         reasons = ["stop" if (s == t).any() else "length" for s, t in zip(stops, last)]
-        return Completions(np.asarray(out_tok), np.asarray(out_lp), np.asarray(lengths), reasons,
-                           np.repeat(np.arange(B), n))
+        routes = prompt_routes = None
+        if record:  # prompt routes left-aligned: prompt i's token j at j
+            routes, padded = (np.asarray(x) for x in jax.device_get((out[3], pre[2])))
+            prompt_routes = np.full_like(padded, -1)
+            for i, p in enumerate(prompts):
+                prompt_routes[i, :len(p)] = padded[i, P - len(p):]
+        return Completions(out_tok, out_lp, lengths, reasons, np.repeat(np.arange(B), n), routes, prompt_routes)
 
     # --------------------------------------------------------------------------------- multi-turn
 
@@ -348,6 +377,8 @@ class Sampler:
         by its `params.n` samples; per-row `max_new_tokens`, one per prompt) that also stops a row at any of
         `stop_sequences` (token-id sequences, kept in the output, e.g. the ids of "</tool_call>") and keeps
         the cache: continue with `extend`."""
+        if params is not None and params.record_routes:
+            raise PosttrainError("begin: record_routes is supported by generate only (one turn)")
         params = SamplingParams() if params is None else params
         if not prompts or any(len(p) == 0 for p in prompts):
             raise PosttrainError("begin: give at least one prompt, each of at least one token")

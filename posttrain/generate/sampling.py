@@ -29,6 +29,9 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set with probability >= top_p; 1 = off
     n: int = 1  # samples per prompt; the prompt is prefilled once and its cache shared
     stop_ids: tuple[int, ...] = ()  # tokens that end a row (included in its output); () = never stop early
+    # record the experts every token was routed to in each MoE layer (Completions.routes / prompt_routes),
+    # for routing replay in the update (`generate` only)
+    record_routes: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens <= 0:

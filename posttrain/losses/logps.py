@@ -67,7 +67,8 @@ def branch_logps(model, batch, num_branches: int, *, temperature: float = 1.0, w
     """(token_logps [B, M], sums [B, k], counts [B, k]) for a batch of prefix-shared rows; with
     `with_entropy` also the entropy [B, M] of each scored position's distribution (0 on padding)."""
     out = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
-                branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False)
+                branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False,
+                **({"routes": batch["routes"]} if "routes" in batch else {}))  # MoE routing replay (RL rollouts)
     h = jnp.take_along_axis(out.hidden[-1], batch["score_src"][..., None], axis=1)  # [B, M, D]
     tok, ent = token_logps(model, h, batch["score_tgt"], temperature=temperature, with_entropy=with_entropy)
     w = batch["score_w"].astype(jnp.float32)

@@ -34,6 +34,11 @@ count, summed over layers and real tokens), and the step pops them (`router_loss
 total, metrics). A Transformer without the variable (a frozen reference, the adapters-off view, any
 forward outside a train step) computes and keeps nothing.
 
+Routing replay (RL, R3): `chosen_experts(router_logits, k)` gives the experts of every token ([B, T, M, k]);
+the Transformer's `routes=` hands them back to each MoE layer (`route(..., replay=)`), which then uses those
+experts with the current router's (renormalised) probabilities, so a policy update can follow the routing its
+sample used (`generate.Sampler` records it with `SamplingParams.record_routes`).
+
 What it is not: expert parallelism with token exchange (the `expert` axis of `sharding.py`
 splits the expert weights; the grouped products are left to XLA's partitioner), capacity
 factors or token dropping, shared experts (Qwen2-MoE, DeepSeek), LoRA on the experts.
@@ -127,10 +132,20 @@ def _every_expert_is_cheaper(n: int, num_experts: int, k: int) -> bool:
     return jax.default_backend() == "cpu" and num_experts * n <= tiles * TILE
 
 
-def route(logits, k: int, normalize: bool):
-    """Router logits [..., E] -> (weights [..., k] float32, expert ids [..., k] int32), as transformers."""
+def route(logits, k: int, normalize: bool, replay=None):
+    """Router logits [..., E] -> (weights [..., k] float32, expert ids [..., k] int32), as transformers.
+
+    replay [..., k] int (or None): experts chosen elsewhere (the sampler's: routing replay); a token whose
+    first entry is -1 keeps its own top-k. The weights are the router's probabilities of the experts used."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     top, idx = jax.lax.top_k(probs, k)
+    if replay is not None:
+        replay = replay.astype(jnp.int32)
+        idx = jnp.where(replay[..., :1] >= 0, replay, idx)
+        if normalize:  # the renormalised weights straight from the chosen logits: finite however far the
+            # router has moved from the choice (p_i / sum p_chosen with every p_chosen rounded to 0 is 0/0)
+            return jax.nn.softmax(jnp.take_along_axis(logits.astype(jnp.float32), idx, axis=-1), axis=-1), idx
+        top = jnp.take_along_axis(probs, idx, axis=-1)
     if normalize:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return top, idx
@@ -156,8 +171,9 @@ class MoE(nnx.Module):
         self.act = jax.nn.silu if cfg.activation == "silu" else (lambda z: jax.nn.gelu(z, approximate=True))
         self.dtype = jnp.dtype(cfg.dtype)
 
-    def __call__(self, x, router_x=None):
-        """x [B, T, D] -> (y [B, T, D], router logits [B, T, E] float32); router_x: the router's input if not x."""
+    def __call__(self, x, router_x=None, routes=None):
+        """x [B, T, D] -> (y [B, T, D], router logits [B, T, E] float32); router_x: the router's input if not x;
+        routes [B, T, k]: replay these experts (`route`)."""
         dt, k = self.dtype, self.k
         B, T, D = x.shape
         E, _, _, F = self.expert_gate_up.shape
@@ -166,7 +182,7 @@ class MoE(nnx.Module):
         if self.router_scale is not None:
             rx = rms_normalize(rx, self.eps) * self.router_scale[...].astype(dt) * jnp.asarray(D ** -0.5, dt)
         logits = rx @ self.router[...].astype(dt)  # [N, E]
-        weights, idx = route(logits, k, self.normalize)
+        weights, idx = route(logits, k, self.normalize, None if routes is None else routes.reshape(B * T, k))
         if self.expert_scale is not None:
             weights = weights * jnp.take(self.expert_scale[...].astype(jnp.float32), idx)
         gate_up, down = self.expert_gate_up[...].astype(dt), self.expert_down[...].astype(dt)
@@ -282,3 +298,9 @@ def router_loss(model):
         for e in range(cfg.num_experts):
             metrics[f"expert_load{tag}_{e}"] = load[e]
     return total, metrics
+
+
+def chosen_experts(router_logits, k: int):
+    """The experts each token was routed to: router logits (a sequence over MoE layers of [B, T, E]) ->
+    [B, T, M, k] int32 (what routing replay gives back to the forward as `routes`)."""
+    return jnp.stack([route(lg, k, False)[1] for lg in router_logits], axis=2)

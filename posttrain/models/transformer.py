@@ -51,6 +51,7 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, layer, rngs=rngs)
         self.mlp_norm = RMSNorm(D, **norm)
         routed = cfg.is_moe_layer(layer)
+        self.routed = routed  # an MoE layer (its own or beside the dense MLP): takes `routes`
         self.mlp = MoE(cfg, rngs=rngs) if routed and not cfg.moe_beside_mlp else MLP(
             cfg, rngs=rngs, width=cfg.layer_mlp_dim(layer))
         # Gemma 4: experts beside the MLP (HF norms: pre_feedforward_layernorm_2, post_feedforward_layernorm_1, _2)
@@ -74,19 +75,22 @@ class Block(nnx.Module):
         self.rope = (cfg.layer_rope(layer), cfg.layer_head_dim(layer))
 
     def __call__(self, x, rope, layout, kv=None, write_index=None, return_attn=False, shared_kv=None,
-                 per_layer_input=None):
+                 per_layer_input=None, routes=None):
         """Returns (x, kv, attention probabilities or None, router logits [B, T, E] or None: dense MLP).
 
-        shared_kv: the source layer's (k, v) for a KV-shared layer; per_layer_input [B, T, P] (Gemma 4)."""
+        shared_kv: the source layer's (k, v) for a KV-shared layer; per_layer_input [B, T, P] (Gemma 4);
+        routes [B, T, k]: the experts to replay in this layer's MoE (routing replay)."""
         h, kv, attn = self.attn(self.attn_norm(x), rope, layout, kv, write_index, return_attn, shared_kv)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
-        h, router = self.mlp(self.mlp_norm(x)), None
-        if isinstance(h, tuple):  # mixture of experts (models/moe.py)
-            h, router = h
+        router = None
+        if isinstance(self.mlp, moe.MoE):  # mixture of experts (models/moe.py)
+            h, router = self.mlp(self.mlp_norm(x), routes=routes)
+        else:
+            h = self.mlp(self.mlp_norm(x))
         if self.moe is not None:  # Gemma 4: the experts see the layer's input; the router normalises its own
-            e, router = self.moe(self.moe_norm(x), router_x=x)
+            e, router = self.moe(self.moe_norm(x), router_x=x, routes=routes)
             h = self.post_dense_norm(h) + self.post_moe_norm(e)
         if self.post_mlp_norm is not None:
             h = self.post_mlp_norm(h)
@@ -202,14 +206,16 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None, branch_ids=None,
                  return_hidden=False, return_attn=False, return_logits=True, rope_tables=None,
-                 return_router_logits=False) -> ModelOutput:
+                 return_router_logits=False, routes=None) -> ModelOutput:
         """tokens, positions: [B, T] int; segment_ids: [B, T] int (0 = padding) or None;
         branch_ids: [B, T] int (0 = shared prefix, b > 0 = continuation b of a prefix-shared row) or None.
 
         rope_tables: from `rope_tables(n)` with every position < n, or None to compute RoPE here.
         return_attn: True for every layer's attention probabilities, or a collection of layer indices.
         return_router_logits: the router logits of every MoE layer (models/moe.py); without a cache they
-        are also appended to the train step's router statistics (`moe.sow_router`)."""
+        are also appended to the train step's router statistics (`moe.sow_router`).
+        routes: [B, T, M, k] int, the experts each token used in each of the M MoE layers elsewhere (the
+        sampler's: `moe.chosen_experts`), replayed instead of this forward's top-k (-1: a token's own)."""
         B, T = tokens.shape
         positions = positions.astype(jnp.int32)
         real_pos = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, -1)
@@ -244,16 +250,18 @@ class Transformer(nnx.Module):
         per_layer = None if self.ple_embed is None else self.per_layer_inputs(tokens, x)
         hidden, attns, kvs, routers = [x], [], [], []
         for i, blk in enumerate(self.layers):
+            rt = None if routes is None or not blk.routed else routes[:, :, len(routers)]
             src = self.cfg.kv_source(i)
             shared = None if src is None else kvs[src]  # a KV-shared layer attends its source's keys and values
             ple = None if per_layer is None else per_layer[:, :, i]
             kv = None if cache is None or src is not None else (cache.k[i], cache.v[i])
             if self.cfg.remat and cache is None and i not in want:  # keep only each layer's input for the backward
-                x, kv, attn, router = nnx.remat(lambda b, h, r, m, s, p: b(h, r, m, shared_kv=s, per_layer_input=p))(
-                    blk, x, ropes[blk.rope], layout, shared, ple)
+                x, kv, attn, router = nnx.remat(lambda b, h, r, m, s, p, q: b(h, r, m, shared_kv=s, per_layer_input=p,
+                                                                            routes=q))(
+                    blk, x, ropes[blk.rope], layout, shared, ple, rt)
             else:
                 x, kv, attn, router = blk(x, ropes[blk.rope], layout, kv, None if cache is None else cache.index,
-                                          i in want, shared, ple)
+                                          i in want, shared, ple, rt)
             if router is not None:
                 routers.append(router)
             kvs.append(kv)

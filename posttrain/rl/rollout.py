@@ -168,9 +168,27 @@ class GroupRollout:
             w = batch["score_w"][i].reshape(n, T)
             w[~keep[list(rows)]] = 0.0  # dropped samples (reward failures with on_error="drop") leave the loss
         batch["old_logps"] *= batch["score_w"] != 0
+        if out.routes is not None:  # routing replay: the experts each row token was routed to by the sampler
+            batch["routes"] = group_routes(group, out, n, self.length)
         if self.sampler.dtype is not None:  # another precision than the trainer's: not the old policy's log-probs
             batch["sampler_logps"] = batch.pop("old_logps")
         return batch
+
+
+def group_routes(group: list[Prompt], out, n: int, length: int) -> np.ndarray:
+    """[B, length, M, k] experts of each group row's tokens (`data.branches.group_row`'s layout: the prompt,
+    then its n completions one after another), from the sampler's record (-1: a token's own routing)."""
+    M, k = out.routes.shape[2:]
+    routes = np.full((len(group), length, M, k), -1, np.int32)
+    for i, p in enumerate(group):
+        P = len(p.ids)
+        routes[i, :P] = out.prompt_routes[i, :P]
+        slot = P
+        for r in range(i * n, (i + 1) * n):
+            L = int(out.lengths[r])
+            routes[i, slot:slot + L] = out.routes[r, :L]
+            slot += L
+    return routes
 
 
 def _replace(n, cur, new, slots, take):
@@ -180,6 +198,7 @@ def _replace(n, cur, new, slots, take):
     group, rewards, keep, total = list(group), rewards.copy(), keep.copy(), total.copy()
     tokens, logprobs, lengths = out.tokens.copy(), out.logprobs.copy(), out.lengths.copy()
     reasons = list(out.finish_reasons)
+    routes = None if out.routes is None else (out.routes.copy(), out.prompt_routes.copy())
     for dst, src in zip(slots, take):
         group[dst] = ngroup[src]
         total[dst] = ntotal[src]
@@ -187,5 +206,7 @@ def _replace(n, cur, new, slots, take):
         rewards[d], keep[d] = nrewards[s], nkeep[s]
         tokens[d], logprobs[d], lengths[d] = nout.tokens[s], nout.logprobs[s], nout.lengths[s]
         reasons[d] = nout.finish_reasons[s]
-    out = type(out)(tokens, logprobs, lengths, reasons, out.prompt_index)
+        if routes is not None:
+            routes[0][d], routes[1][dst] = nout.routes[s], nout.prompt_routes[src]
+    out = type(out)(tokens, logprobs, lengths, reasons, out.prompt_index, *(routes or ()))
     return group, out, rewards, keep, total

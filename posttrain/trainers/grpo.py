@@ -77,6 +77,7 @@ class GRPOConfig(C.RunConfig):
     env: EnvSection = dataclasses.field(default_factory=EnvSection)  # multi-turn tool episodes; off by default
     tools: ToolsSection = dataclasses.field(default_factory=ToolsSection)  # the tools episodes may call
     rollout: C.RolloutSection = dataclasses.field(default_factory=C.RolloutSection)  # sampling precision, correction
+    moe: C.MoESection = dataclasses.field(default_factory=C.MoESection)  # routing replay (MoE models)
     run_dir: str = "runs/grpo"  # folder for checkpoints, logs and the saved config
 
     def __post_init__(self):
@@ -118,6 +119,9 @@ class GRPOTrainer(Recipe):
         up = lambda x: -(-x // 8) * 8  # noqa: E731
         self.length = up(max(len(p.ids) for p in self.prompts) + g.num_generations * width)
         self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules)
+        if c.moe.routing_replay and (not self.model.cfg.num_experts or self.agentic):
+            raise PosttrainError("moe.routing_replay needs a mixture-of-experts model and env.enabled=false; set "
+                                 "moe.routing_replay=false")
         if c.data.max_prompt_length + width > self.model.cfg.max_position:
             raise PosttrainError(f"data.max_prompt_length + {what} exceeds the model's maximum position "
                                  f"{self.model.cfg.max_position}")
@@ -138,7 +142,8 @@ class GRPOTrainer(Recipe):
         sampler = Sampler(self.model, max_len=c.data.max_prompt_length + self.width, pad_id=tok.pad_id,
                           mesh=self.mesh, rules=self.rules, buckets=(longest,), dtype=c.rollout.dtype)
         params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                top_k=g.top_k, n=g.num_generations, stop_ids=tok.eos_ids)
+                                top_k=g.top_k, n=g.num_generations, stop_ids=tok.eos_ids,
+                                record_routes=c.moe.routing_replay)
         common = dict(batch_size=c.train.batch_size, n=g.num_generations, params=params, length=self.length,
                       seed=c.data.seed, shuffle=c.data.shuffle, num_iterations=g.num_iterations, scale=g.scale_rewards)
         if self.agentic:
