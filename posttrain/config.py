@@ -303,6 +303,12 @@ class RolloutSection(Section):
     is_mode: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask"] | None = None
     is_clip_max: Positive | None = 3.0  # upper bound of the correction weight (truncate: clip; mask: zero above)
     is_clip_min: NonNegative | None = None  # lower bound; None = none
+    # off-policy rollouts: step r trains on a batch sampled by the weights of step r - max_staleness, sampled
+    # in the background while the trainer updates (rl/offpolicy.py); 0 = on-policy, sampled before each step
+    max_staleness: Count = 0
+    # devices of the sampler's own mesh (the last ones; the weights are pushed to them after every update, device
+    # to device), the training mesh on the others; 0 = sample on the training mesh. Needs sharding.preset
+    devices: Count = 0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

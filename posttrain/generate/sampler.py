@@ -126,22 +126,25 @@ def default_buckets(max_len: int) -> tuple[int, ...]:
 class Sampler:
     def __init__(self, model: Transformer, *, max_len: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, pad_id: int = 0, mesh=None, rules=None,
-                 dtype: Optional[str] = None):
+                 dtype: Optional[str] = None, own_mesh: bool = False):
         """max_len: the longest prompt + new tokens a call may ask for (the cache size bound).
 
         mesh / rules: run under a device mesh (the model's logical sharding constraints apply).
         dtype: sample in this precision (e.g. "bfloat16" over float32 training weights): the weights are
         cast on every `update` (a copy in that dtype), activations and the KV cache are in it; its
-        log-probs then differ from the trainer's (see `losses.sampler_correction`). None: the model's own."""
+        log-probs then differ from the trainer's (see `losses.sampler_correction`). None: the model's own.
+        own_mesh: `mesh` is the sampler's own devices, not the model's: the weights are copied there
+        (replicated, device to device) now and on every `update`."""
         self.mesh, self.rules = mesh, rules
         self.dtype = None if dtype is None or jnp.dtype(dtype) == jnp.dtype(model.cfg.dtype) else jnp.dtype(dtype)
         if self.dtype is not None:
             model = with_compute_dtype(model, self.dtype.name)
             self._cast = jax.jit(lambda st: jax.tree.map(
                 lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, st))
+        self.own_mesh = own_mesh and mesh is not None
         self.cfg = model.cfg
         self.graphdef, state = nnx.split(model)
-        self.state = self._cast(state) if self.dtype is not None else state
+        self.state = self._prepare(state)
         self.max_len = int(max_len or min(self.cfg.max_position, 4096))
         self.buckets = tuple(sorted(buckets)) if buckets else default_buckets(self.max_len)
         self.pad_id = pad_id
@@ -155,7 +158,15 @@ class Sampler:
     def update(self, model_or_state) -> None:
         """Use new weights (e.g. after a training step); shapes are unchanged, nothing recompiles."""
         state = nnx.state(model_or_state) if isinstance(model_or_state, nnx.Module) else model_or_state
-        self.state = self._cast(state) if self.dtype is not None else state
+        self.state = self._prepare(state)
+
+    def _prepare(self, state):
+        """The weights as this sampler runs them: on its own mesh (replicated), in its dtype."""
+        if self.own_mesh:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            state = jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
+        return self._cast(state) if self.dtype is not None else state
 
     # --------------------------------------------------------------------------------- jitted parts
 

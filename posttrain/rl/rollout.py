@@ -88,12 +88,12 @@ class GroupRollout:
                 self.cached = {k: f[k] for k in f.files}
 
     def metrics(self) -> dict:
-        """Means of the rollout statistics gathered since the last call."""
+        """Means of the rollout statistics gathered since the last call (a producer thread may be adding more:
+        the gathered ones are swapped out first)."""
+        stats, self._stats = self._stats, defaultdict(list)
         with np.errstate(all="ignore"), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # a statistic that was NaN in every rollout
-            out = {k: float(np.nanmean(np.asarray(v, np.float64))) for k, v in self._stats.items() if v}
-        self._stats.clear()
-        return out
+            return {k: float(np.nanmean(np.asarray(v, np.float64))) for k, v in stats.items() if v}
 
     # ------------------------------------------------------------------ one rollout
 

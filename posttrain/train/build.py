@@ -36,11 +36,28 @@ def build_tokenizer(mc) -> Tokenizer:
     return byte_tokenizer()
 
 
-def build_mesh(sc):
-    """(mesh, rules) of a ShardingSection, or (None, None) for one device."""
+def build_mesh(sc, devices=None):
+    """(mesh, rules) of a ShardingSection over `devices` (default: all), or (None, None) for one device."""
     if sc.preset is None:
         return None, None
-    return sh.make_mesh(sc.preset, shape=sc.mesh_shape), sh.preset_rules(sc.preset)
+    return sh.make_mesh(sc.preset, devices, shape=sc.mesh_shape), sh.preset_rules(sc.preset)
+
+
+def split_devices(sc, sampler_devices: int):
+    """(the training mesh's devices, the sampler's) when an RL sampler gets its own `sampler_devices` devices:
+    the sampler the last ones, training the first ones (as many as sharding.mesh_shape names, else the rest)."""
+    import math
+
+    import jax
+
+    every = jax.devices()
+    fixed = dict(sc.mesh_shape or {})
+    want = math.prod(fixed.values()) if fixed and -1 not in fixed.values() else len(every) - sampler_devices
+    if sc.preset is None or want < 1 or want + sampler_devices > len(every):
+        raise PosttrainError(f"rollout.devices={sampler_devices}: the sampler's devices and the training mesh's "
+                             f"({want}) must fit the {len(every)} devices, with sharding.preset set; lower "
+                             "rollout.devices or sharding.mesh_shape")
+    return every[:want], every[len(every) - sampler_devices:]
 
 
 def preset_config(mc, tok: Tokenizer):

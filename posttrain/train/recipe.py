@@ -37,7 +37,7 @@ from posttrain.models import count_params
 from posttrain.models.lora import LoraParam, adapters_off
 from posttrain.plan import format_plan
 from posttrain.rewards.registry import reward_functions
-from posttrain.train.build import build_mesh, build_model, build_tokenizer, memory_plan
+from posttrain.train.build import build_mesh, build_model, build_tokenizer, memory_plan, split_devices
 from posttrain.train.lifecycle import check_processes, make_eval, prepare_run_dir, run_trainer, training_state
 from posttrain.train.step import TrainState, make_train_step, merge
 
@@ -120,7 +120,9 @@ class Recipe:
         if config.eval.k and not self.generates:
             raise PosttrainError(f"eval.k: a {self.name} model does not generate answers to sample; set eval.k=0")
         self.tokenizer = build_tokenizer(config.model)
-        self.mesh, self.rules = build_mesh(config.sharding)
+        split = getattr(getattr(config, "rollout", None), "devices", 0)  # an RL sampler on its own devices
+        train_devices, self.sampler_devices = split_devices(config.sharding, split) if split else (None, None)
+        self.mesh, self.rules = build_mesh(config.sharding, train_devices)
         self.load()
         self.sampled_eval = self.make_sampled_eval() if config.eval.k else None
 

@@ -42,6 +42,8 @@ from posttrain.losses.grpo import make_grpo_loss
 from posttrain.models.lora import LoraParam
 from posttrain.plan import flops_per_token
 from posttrain.rewards.registry import reward_functions
+from posttrain.rl.offpolicy import StaleRollout
+from posttrain.sharding import make_mesh, preset_rules
 from posttrain.rl.rollout import GroupRollout
 from posttrain.train.build import build_model
 from posttrain.train.lifecycle import frozen_copy
@@ -85,6 +87,9 @@ class GRPOConfig(C.RunConfig):
         if not own and (self.env.enabled or self.grpo.num_iterations > 1):
             raise PosttrainError("rollout.dtype other than model.dtype needs grpo.num_iterations=1 and env.enabled=false "
                                  "for now (the old policy is then the trainer's own); change one of them")
+        if self.rollout.max_staleness and (self.env.enabled or self.grpo.num_iterations > 1 or not own):
+            raise PosttrainError("rollout.max_staleness needs grpo.num_iterations=1, env.enabled=false and the model's "
+                                 "own sampling precision for now; change one of them")
         if self.rollout.is_mode and own:
             raise PosttrainError(f"rollout.is_mode={self.rollout.is_mode} corrects a sampler in another precision, but "
                                  "rollout.dtype is the model's (its log-probs are exact); set rollout.dtype or drop it")
@@ -139,8 +144,10 @@ class GRPOTrainer(Recipe):
         c, g, tok = self.config, self.config.grpo, self.tokenizer
         # one prompt bucket (the longest prompt's): prefill and decode compile once for the whole run
         longest = max(len(p.ids) for p in self.prompts)
+        own = self.sampler_devices is not None  # rollout.devices: the sampler's own mesh (data parallel)
+        mesh, rules = (make_mesh("dp", self.sampler_devices), preset_rules("dp")) if own else (self.mesh, self.rules)
         sampler = Sampler(self.model, max_len=c.data.max_prompt_length + self.width, pad_id=tok.pad_id,
-                          mesh=self.mesh, rules=self.rules, buckets=(longest,), dtype=c.rollout.dtype)
+                          mesh=mesh, rules=rules, buckets=(longest,), dtype=c.rollout.dtype, own_mesh=own)
         params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
                                 top_k=g.top_k, n=g.num_generations, stop_ids=tok.eos_ids,
                                 record_routes=c.moe.routing_replay)
@@ -150,10 +157,11 @@ class GRPOTrainer(Recipe):
             return AgenticRollout(self.prompts, tok, sampler, graphdef, make_env=self.make_env,
                                   max_tokens=c.env.max_tokens, max_turns=c.env.max_turns, fmt=c.env.format,
                                   workers=c.env.tool_workers, **common)
-        return GroupRollout(self.prompts, tok, sampler, graphdef, reward_funcs=self.reward_funcs,
-                            reward_weights=self.reward_weights, reward_timeout_s=g.reward_timeout_s,
-                            on_reward_error=g.on_reward_error, dynamic_sampling=g.dynamic_sampling,
-                            max_refills=g.max_refills, **common)
+        rollout = GroupRollout(self.prompts, tok, sampler, graphdef, reward_funcs=self.reward_funcs,
+                               reward_weights=self.reward_weights, reward_timeout_s=g.reward_timeout_s,
+                               on_reward_error=g.on_reward_error, dynamic_sampling=g.dynamic_sampling,
+                               max_refills=g.max_refills, **common)
+        return StaleRollout(rollout, c.rollout.max_staleness) if c.rollout.max_staleness else rollout
 
     def build(self) -> Parts:
         c, g = self.config, self.config.grpo

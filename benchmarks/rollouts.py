@@ -1,15 +1,15 @@
 #!/usr/bin/env python
-"""A bfloat16 sampler in the demo's GRPO stage (issue #37): held-out accuracy, mismatch and speed against float32.
+"""Rollout variants in the demo's GRPO stage (issue #37): held-out accuracy, mismatch and speed against the default.
 
 Needs a finished `make demo` (its SFT export and data in --demo). Runs the demo's GRPO stage (same steps, seed,
-LoRA, reward; `tasks/demo.grpo_stage`) three ways into --out: float32 sampling (the demo as it is), a bfloat16
-sampler without correction, and a bfloat16 sampler with truncated importance sampling (rollout.is_mode
-token_truncate, is_clip_max 3: TIS). Each run is exported and scored greedily on the 200 held-out questions as
+LoRA, reward; `tasks/demo.grpo_stage`) four ways into --out: float32 on-policy sampling (the demo as it is), a
+bfloat16 sampler without correction, a bfloat16 sampler with truncated importance sampling (rollout.is_mode
+token_truncate, is_clip_max 3: TIS), and off-policy rollouts one step stale (rollout.max_staleness 1). Each run is exported and scored greedily on the 200 held-out questions as
 the demo scores its stages; the mean per-token |trainer - sampler| log-prob difference, the mismatch KL and the
 mean rollout generation seconds per step come from the run's metrics. Then the bare sampler speed, float32 vs
 bfloat16, on the SFT model (200 prompts x 8 samples, medians of --rounds interleaved rounds). JSON on stdout.
 
-Usage: .venv/bin/python benchmarks/bf16_rollout.py [--demo runs/demo] [--out runs/bf16_rollout] [--rounds 5]
+Usage: .venv/bin/python benchmarks/rollouts.py [--demo runs/demo] [--out runs/rollouts] [--rounds 5]
 """
 
 import argparse
@@ -21,7 +21,7 @@ import time
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--demo", default="runs/demo")
-ap.add_argument("--out", default="runs/bf16_rollout")
+ap.add_argument("--out", default="runs/rollouts")
 ap.add_argument("--rounds", type=int, default=5)
 ap.add_argument("--json", default=None)
 args = ap.parse_args()
@@ -41,8 +41,9 @@ _, held = addition.make_pairs(digits=2, seed=0, n_eval=200)
 tok = byte_tokenizer()
 greedy = demo.Greedy(tok, [r["prompt"] for r in held])
 VARIANTS = {"float32": {}, "bfloat16": {"rollout": {"dtype": "bfloat16"}},
-            "bfloat16_tis": {"rollout": {"dtype": "bfloat16", "is_mode": "token_truncate", "is_clip_max": 3.0}}}
-result = {"bench": "bf16_rollout", "cpu": platform.processor() or platform.machine(), "jax": jax.__version__,
+            "bfloat16_tis": {"rollout": {"dtype": "bfloat16", "is_mode": "token_truncate", "is_clip_max": 3.0}},
+            "stale1": {"rollout": {"max_staleness": 1}}}
+result = {"bench": "rollouts", "cpu": platform.processor() or platform.machine(), "jax": jax.__version__,
           "variants": {}}
 for name, sections in VARIANTS.items():
     run = f"{args.out}/{name}"
@@ -59,7 +60,8 @@ for name, sections in VARIANTS.items():
         "held_out_accuracy": acc, "seconds": round(seconds, 1), "generate_s_per_step": mean("time/generate_s"),
         "logp_difference_mean": mean("sampling/sampling_logp_difference/mean"),
         "logp_difference_max": mean("sampling/sampling_logp_difference/max"),
-        "mismatch_kl": mean("sampling/mismatch_kl"), "last_eval_pass@1": series["eval_pass@1"][1][-1]}
+        "mismatch_kl": mean("sampling/mismatch_kl"), "last_eval_pass@1": series["eval_pass@1"][1][-1],
+        "version_lag_max": max(series["rollout/version_lag_max"][1]) if "rollout/version_lag_max" in series else 0}
     print(json.dumps({name: result["variants"][name]}), flush=True)
 
 model = from_pretrained(f"{args.demo}/sft/hf")
