@@ -28,10 +28,10 @@ ap.add_argument("--model", default=None)
 ap.add_argument("--json", default=None)
 args = ap.parse_args()
 
-import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
 from posttrain.data.prompts import Prompt  # noqa: E402
 from posttrain.evals import SampledEval  # noqa: E402
 from posttrain.rewards import functions as F  # noqa: E402

@@ -4,7 +4,8 @@
 Needs a finished `make demo` (its SFT export and data in --demo). Runs the demo's GRPO stage (same steps, seed,
 LoRA, reward; `tasks/demo.grpo_stage`) four ways into --out: float32 on-policy sampling (the demo as it is), a
 bfloat16 sampler without correction, a bfloat16 sampler with truncated importance sampling (rollout.is_mode
-token_truncate, is_clip_max 3: TIS), and off-policy rollouts one step stale (rollout.max_staleness 1). Each run is exported and scored greedily on the 200 held-out questions as
+token_truncate, is_clip_max 3: TIS), and off-policy rollouts one step stale (rollout.max_staleness 1). Each
+run is exported and scored greedily on the 200 held-out questions as
 the demo scores its stages; the mean per-token |trainer - sampler| log-prob difference, the mismatch KL and the
 mean rollout generation seconds per step come from the run's metrics. Then the bare sampler speed, float32 vs
 bfloat16, on the SFT model (200 prompts x 8 samples, medians of --rounds interleaved rounds). JSON on stdout.
@@ -26,10 +27,10 @@ ap.add_argument("--rounds", type=int, default=5)
 ap.add_argument("--json", default=None)
 args = ap.parse_args()
 
-import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
 from posttrain.generate import Sampler, SamplingParams  # noqa: E402
 from posttrain.models import from_pretrained  # noqa: E402
 from posttrain.report import collect_series, read_metrics  # noqa: E402
@@ -55,7 +56,7 @@ for name, sections in VARIANTS.items():
     texts = greedy(from_pretrained(hf))
     acc = sum(t.strip() == r["completion"] for t, r in zip(texts, held)) / len(held)
     series = collect_series(read_metrics(f"{run}/metrics.jsonl"))
-    mean = lambda k: float(np.mean(series[k][1])) if k in series else None  # noqa: E731
+    mean = lambda k, series=series: float(np.mean(series[k][1])) if k in series else None  # noqa: E731
     result["variants"][name] = {
         "held_out_accuracy": acc, "seconds": round(seconds, 1), "generate_s_per_step": mean("time/generate_s"),
         "logp_difference_mean": mean("sampling/sampling_logp_difference/mean"),

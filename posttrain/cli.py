@@ -277,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-prompt-length", type=int, default=1024, help="longer prompts are row errors")
     ev.add_argument("--max-prompts", type=int, default=None, help="the first N prompts only")
     ev.add_argument("--prompts-per-call", type=int, default=64, help="prompts per sampler call")
-    ev.add_argument("--correct-at", type=float, default=1.0, help="a sample is correct when its reward is at least this")
+    ev.add_argument("--correct-at", type=float, default=1.0,
+                    help="a sample is correct when its reward is at least this")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--out", default=None, help="JSON file (default: RUN_DIR/eval.json with --run, none with --model)")
     ev.set_defaults(func=_eval)

@@ -74,7 +74,8 @@ LONGEST_FIRST = ["test_faults.py", "test_rl_learning.py", "test_docs.py", "test_
 # `make test-fast` (the edit loop) leaves these files out: -m "not slow". They train whole runs, start
 # processes or compare real checkpoints; `make test` runs everything.
 SLOW_FILES = set(LONGEST_FIRST) | {"test_multiprocess.py", "test_sharded_sft.py", "test_nonfinite.py",
-                                   "test_agentic_env.py", "test_report.py", "test_gpu_bench.py", "test_routing_replay.py"}
+                                   "test_agentic_env.py", "test_report.py", "test_gpu_bench.py",
+                                   "test_routing_replay.py"}
 
 
 def pytest_collection_modifyitems(items):

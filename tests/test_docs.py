@@ -38,7 +38,7 @@ def commands(code: str) -> list[str]:
 
 def test_the_guides_cover_every_trainer_and_have_code():
     names = {os.path.basename(d)[:-3] for d in DOCS[1:]}
-    assert {"sft", "dpo", "reward_model", "grpo", "ppo", "distill", "pipeline"} <= names
+    assert {"sft", "dpo", "kto", "online_dpo", "reward_model", "grpo", "ppo", "distill", "pipeline"} <= names
     for doc in DOCS:
         assert any(lang in ("bash", "python") for lang, _, _ in blocks(doc)), doc
 

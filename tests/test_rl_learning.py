@@ -162,3 +162,73 @@ def test_lora_grpo_learns_from_code_run_in_the_sandbox(tmp_path, sft_addition):
     assert len(verdicts) >= 32 and {e for _, e in verdicts} == {0.0, 1.0}, verdicts  # right and wrong replies
     assert all(s == e for s, e in verdicts), verdicts
     assert late - early >= 0.08 and after - before >= 0.08, (before, after, curve)
+
+
+def test_lora_online_dpo_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_addition):
+    """LoRA rank 8 online DPO (TRL's OnlineDPOTrainer): each step 32 prompts x 2 samples of 4 tokens at
+    temperature 1, judged by the exact-answer reward (the better chosen, a tie keeps the first), sigmoid loss
+    with beta 0.1 against the base (adapters off). 100 steps gain >= 5 points of greedy held-out accuracy.
+    Seen on an AMD EPYC (AVX2): from the 0.450 start, +12.5 to +21 points over data seeds 0-3 (seed 0:
+    0.450 -> 0.615), 22-50 s of training on two shared cores; from a 0.570 start (other XLA flags) +10."""
+    from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
+
+    prompts, pairs = rl_data(tmp_path)
+    trainer = OnlineDPOTrainer(C.from_dict(OnlineDPOConfig, {
+        "model": {"path": sft_addition}, "data": {"train": prompts, "max_prompt_length": 8},
+        "online_dpo": {"max_new_tokens": 4, "temperature": 1.0, "beta": 0.1, "rewards": {"last_number": 1.0}},
+        "lora": {"enabled": True, "rank": 8}, "optim": {"lr": 1e-3, "schedule": "constant"},
+        "train": {"steps": 100, "batch_size": 32, "log_every": 10}, "metrics": {"sinks": ["jsonl"]},
+        "run_dir": str(tmp_path / "run")}), progress=False)
+    before = accuracy(trainer.model, trainer.tokenizer, pairs)
+    result = trainer.train()
+    after = accuracy(trainer.model, trainer.tokenizer, pairs)
+    curve = [(m["step"], round(m["objective/scores"], 3), round(m["rewards/accuracies"], 2))
+             for m in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))]
+    print(f"online DPO: greedy held-out accuracy {before:.3f} -> {after:.3f} in {result['seconds']:.1f} s; "
+          f"(step, sampled score, reward accuracy) {curve}")
+    assert after - before >= 0.05, (before, after, curve)
+
+
+def test_lora_kto_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_addition):
+    """LoRA rank 8 KTO (TRL's KTOTrainer "kto" loss, beta 0.1) on unpaired rows built as a user with a checker
+    would: for 512 training prompts the right answer is a desirable row and the first wrong one of the SFT
+    model's own 4 samples (temperature 1, 4 tokens) an undesirable row. desirable_weight 2: the undesirable
+    rows push down their shared first digit and end of answer too, and at 1/1 the gain is smaller and
+    unstable. lr 5e-5, 100 steps of 32 rows gain >= 5 points of greedy held-out accuracy.
+    Seen on an AMD EPYC (AVX-512): from the 0.450 start +9 / +5.5 / +7 points over sampling seeds 0-2; from a
+    0.570 start (other XLA flags) +8. At lr >= 1e-4, or 200 steps, accuracy falls below the start."""
+    import jax
+
+    from posttrain.models import from_pretrained
+    from posttrain.tokenizer import Tokenizer
+    from posttrain.trainers.kto import KTOConfig, KTOTrainer
+
+    train, evals = addition.make_pairs(digits=2, seed=0, n_eval=200)
+    model, tok = from_pretrained(sft_addition), Tokenizer.from_pretrained(sft_addition)
+    rows = train[:512]
+    ids = [tok.encode(r["prompt"]) for r in rows]
+    out = Sampler(model, max_len=max(map(len, ids)) + 8, pad_id=tok.pad_id).generate(
+        ids, SamplingParams(max_new_tokens=4, temperature=1.0, n=4, stop_ids=tok.eos_ids), key=jax.random.key(0))
+    texts = [t.strip() for t in out.texts(tok)]
+    data = []
+    for i, r in enumerate(rows):
+        wrong = [t for t in texts[4 * i:4 * i + 4] if t and t != r["completion"]]
+        if wrong:
+            data += [{"prompt": r["prompt"], "completion": r["completion"], "label": True},
+                     {"prompt": r["prompt"], "completion": wrong[0], "label": False}]
+    path = addition.write_jsonl(data, str(tmp_path / "kto.jsonl"))
+    trainer = KTOTrainer(C.from_dict(KTOConfig, {
+        "model": {"path": sft_addition}, "data": {"train": path, "max_length": 24, "truncation": "drop"},
+        "kto": {"beta": 0.1, "desirable_weight": 2.0}, "lora": {"enabled": True, "rank": 8},
+        "optim": {"lr": 5e-5, "warmup_steps": 5, "schedule": "constant"},
+        "train": {"steps": 100, "batch_size": 32, "log_every": 20}, "metrics": {"sinks": ["jsonl"]},
+        "run_dir": str(tmp_path / "run")}), progress=False)
+    pairs = [(r["prompt"], r["completion"]) for r in evals]
+    before = accuracy(trainer.model, trainer.tokenizer, pairs)
+    result = trainer.train()
+    after = accuracy(trainer.model, trainer.tokenizer, pairs)
+    curve = [(m["step"], round(m["loss"], 4), round(m["rewards/chosen_sum"] - m["rewards/rejected_sum"], 4))
+             for m in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))]
+    print(f"KTO: {len(data)} rows, greedy held-out accuracy {before:.3f} -> {after:.3f} in {result['seconds']:.1f} s; "
+          f"(step, loss, reward sums chosen - rejected) {curve}")
+    assert after - before >= 0.05, (before, after, curve)

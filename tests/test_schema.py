@@ -20,7 +20,7 @@ def schemas(tmp_path_factory):
 
 
 def test_every_shipped_config_validates(schemas):
-    assert set(schemas) == {"sft", "dpo", "rm", "grpo", "ppo", "distill", "pipeline"}
+    assert set(schemas) == {"sft", "dpo", "kto", "rm", "grpo", "ppo", "online_dpo", "distill", "pipeline"}
     files = sorted(glob.glob("configs/*.yaml") + glob.glob("configs/*/*.yaml"))  # configs/real/ too
     assert len(files) >= 10 and "configs/real/smollm2_grpo.yaml" in files
     for path in files:

@@ -14,8 +14,8 @@ One line after each stage, then a table; `<out>/summary.json` (per stage: name, 
 fraction, KL for the student, wall seconds; the total) and one report page, `<out>/report/report.html`
 (the stage table, every stage's evaluation curves: the GRPO stage's pass@1 / pass@8 / maj@8 of 8
 samples per held-out question every 10 steps, the student's KL; and the student's greedy answers).
-The GRPO stage keeps its best pass@1 checkpoint: `posttrain export --run <out>/grpo --best`. `quick=True` runs the same path with
-tiny step counts on a subset of the rows (the test). No downloads.
+The GRPO stage keeps its best pass@1 checkpoint: `posttrain export --run <out>/grpo --best`.
+`quick=True` runs the same path with tiny step counts on a subset of the rows (the test). No downloads.
 
 What it is not: a benchmark (the numbers vary a little with the machine's float round-off).
 """
@@ -41,7 +41,8 @@ QUICK = dict(train_rows=512, sft_steps=4, grpo_steps=2, grpo_batch=4, generation
 
 def _common(run_dir: str, steps: int, batch: int, log_every: int, eval_every: int = 0) -> dict:
     every = lambda n: max(1, min(n, steps)) if n else 0  # noqa: E731
-    return {"train": {"steps": steps, "batch_size": batch, "log_every": every(log_every), "eval_every": every(eval_every)},
+    return {"train": {"steps": steps, "batch_size": batch, "log_every": every(log_every),
+                      "eval_every": every(eval_every)},
             "run_dir": run_dir}
 
 

@@ -30,8 +30,8 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
-from orbax.checkpoint import checkpoint_managers as cm
 from etils import epath
+from orbax.checkpoint import checkpoint_managers as cm
 
 from posttrain.errors import PosttrainError
 

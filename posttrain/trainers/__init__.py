@@ -15,7 +15,8 @@ import ast
 import importlib
 import os
 
-ORDER = ("sft", "dpo", "rm", "grpo", "ppo", "distill")  # the order --help lists them in; others follow
+# the order --help lists them in; others follow
+ORDER = ("sft", "dpo", "kto", "rm", "grpo", "ppo", "online_dpo", "distill")
 
 
 def scan(folders=None) -> dict[str, tuple[str, str]]:

@@ -43,8 +43,8 @@ from posttrain.models.lora import LoraParam
 from posttrain.plan import flops_per_token
 from posttrain.rewards.registry import reward_functions
 from posttrain.rl.offpolicy import StaleRollout
-from posttrain.sharding import make_mesh, preset_rules
 from posttrain.rl.rollout import GroupRollout
+from posttrain.sharding import make_mesh, preset_rules
 from posttrain.train.build import build_model
 from posttrain.train.lifecycle import frozen_copy
 from posttrain.train.recipe import Parts, Recipe, group_rows, lora_reference
@@ -85,7 +85,8 @@ class GRPOConfig(C.RunConfig):
     def __post_init__(self):
         own = self.rollout.dtype in (None, self.model.compute_dtype or self.model.dtype)  # exact log-probs
         if not own and (self.env.enabled or self.grpo.num_iterations > 1):
-            raise PosttrainError("rollout.dtype other than model.dtype needs grpo.num_iterations=1 and env.enabled=false "
+            raise PosttrainError("rollout.dtype other than model.dtype needs grpo.num_iterations=1 and "
+                                 "env.enabled=false "
                                  "for now (the old policy is then the trainer's own); change one of them")
         if self.rollout.max_staleness and (self.env.enabled or self.grpo.num_iterations > 1 or not own):
             raise PosttrainError("rollout.max_staleness needs grpo.num_iterations=1, env.enabled=false and the model's "
