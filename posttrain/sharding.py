@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 from typing import Callable, Mapping, Optional, Sequence, Union
 
 import jax
@@ -65,7 +66,15 @@ PRESETS: dict[str, dict] = {
 }
 DEFAULT_RULES: dict[str, object] = PRESETS["fsdp_tp"]
 
-_ACTIVE: list[tuple[Mesh, dict]] = []
+# The active (mesh, rules) stack, one per thread: an off-policy sampler traces in its own thread, on its own
+# devices, while the trainer's thread has the training mesh active (rl/offpolicy.py).
+_LOCAL = threading.local()
+
+
+def _active() -> list[tuple[Mesh, dict]]:
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
 
 
 # ------------------------------------------------------------------------------------------ rules
@@ -200,11 +209,12 @@ def use_mesh(mesh: Optional[Mesh], rules: Optional[dict] = None):
     if mesh is None:
         yield None
         return
-    _ACTIVE.append((mesh, DEFAULT_RULES if rules is None else rules))
+    stack = _active()
+    stack.append((mesh, DEFAULT_RULES if rules is None else rules))
     try:
         yield mesh
     finally:
-        _ACTIVE.pop()
+        stack.pop()
 
 
 # ------------------------------------------------------------------------------------------ model code
@@ -219,9 +229,10 @@ def param(value: jax.Array, names: Sequence[Optional[str]]) -> nnx.Param:
 
 def constrain(x: jax.Array, names: Sequence[Optional[str]]) -> jax.Array:
     """Sharding constraint by logical names under the active mesh; identity without one."""
-    if not _ACTIVE:
+    stack = _active()
+    if not stack:
         return x
-    mesh, rules = _ACTIVE[-1]
+    mesh, rules = stack[-1]
     spec = logical_to_spec(names, rules, shape=x.shape, axis_sizes=mesh.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 

@@ -69,15 +69,16 @@ def test_stale_rollouts_refuse_what_they_cannot_do(tmp_path, over):
         config(tmp_path / "x", **{"rollout.max_staleness": 1, **over})
 
 
-def test_the_sampler_on_its_own_devices_samples_stale_batches_from_pushed_weights(tmp_path):
-    """rollout.devices=2 beside a 2-device data-parallel training mesh (of the 8 virtual CPU devices): the
-    sampler's weights live on the last two devices only, pushed there after every update; one step stale,
-    the run trains and ends with the weights (to float round-off) of the same schedule on one device."""
+def test_the_sampler_on_its_own_devices_samples_stale_batches_from_pushed_weights(tmp_path, capsys):
+    """rollout.devices=2 beside a 2-device data-parallel training mesh (4 of the 8 virtual CPU devices): the
+    sampler's weights live on the last two devices only, pushed there after every update; one step stale, every
+    step's version lag is <= 1; stopped and restarted at 5 random steps the run ends with its uninterrupted
+    weights bitwise, and with the weights (to float round-off) of the same schedule on one device."""
     import jax
 
-    over = {"rollout.max_staleness": 1, "sharding.preset": "dp", "sharding.mesh_shape": {"data": 2},
-            "train.steps": 4, "checkpoint.every": 0}
-    trainer = GRPOTrainer(config(tmp_path / "split", **{**over, "rollout.devices": 2}), progress=False)
+    over = {"rollout.max_staleness": 1, "sharding.preset": "dp", "sharding.mesh_shape": {"data": 2}}
+    split = {**over, "rollout.devices": 2}
+    trainer = GRPOTrainer(config(tmp_path / "split", **split), progress=False)
     every = jax.devices()
     assert set(trainer.mesh.devices.flat) == set(every[:2])
     parts = trainer.setup()
@@ -86,11 +87,23 @@ def test_the_sampler_on_its_own_devices_samples_stale_batches_from_pushed_weight
     assert placed == set(every[-2:])
     trainer.train()
     logged = [json.loads(line) for line in open(tmp_path / "split" / "metrics.jsonl")]
-    assert max(m["rollout/version_lag_max"] for m in logged) <= 1 and all(np.isfinite(m["loss"]) for m in logged)
+    assert [m["rollout/version_lag_max"] for m in logged] == [0] + [1] * (STEPS - 1)
+    assert all(np.isfinite(m["loss"]) for m in logged)
+    whole = weights(tmp_path / "split")
+    for stop in np.random.default_rng(1).choice(np.arange(1, STEPS), 5, replace=False).tolist():
+        for name in os.listdir(tmp_path / "split" / "checkpoints"):
+            if name.isdigit() and int(name) > stop:
+                shutil.rmtree(tmp_path / "split" / "checkpoints" / name)
+        os.remove(tmp_path / "split" / "trainable.safetensors")
+        capsys.readouterr()
+        GRPOTrainer(config(tmp_path / "split", **split), progress=False).train()
+        assert f"from the checkpoint at step {stop}" in capsys.readouterr().out
+        again = weights(tmp_path / "split")
+        assert all(np.array_equal(whole[k], again[k]) for k in whole), stop
     one = {k: v for k, v in over.items() if not k.startswith("sharding")}
     GRPOTrainer(config(tmp_path / "shared", **one), progress=False).train()  # one device samples and trains
-    split, shared = weights(tmp_path / "split"), weights(tmp_path / "shared")
-    assert all(np.allclose(split[k], shared[k], atol=5e-4) for k in split)  # Adam amplifies round-off
-    rewards = [[m["reward/mean"] for m in map(json.loads, open(tmp_path / run / "metrics.jsonl"))]
+    shared = weights(tmp_path / "shared")
+    assert all(np.allclose(whole[k], shared[k], atol=5e-4) for k in whole)  # Adam amplifies round-off
+    rewards = [[m["reward/mean"] for m in map(json.loads, open(tmp_path / run / "metrics.jsonl"))][:STEPS]
                for run in ("split", "shared")]
     assert rewards[0] == rewards[1]  # the same samples, each logged with the step that trained on it
