@@ -257,7 +257,7 @@ def test_remat_gradients_equal(moe_checkpoints):
 
 
 # transformers' own model of the same config on the meta device (nothing allocated)
-@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b"])
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-20b", "gpt-oss-120b"])
 def test_moe_presets_count_like_transformers(name):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -269,7 +269,8 @@ def test_moe_presets_count_like_transformers(name):
     with torch.device("meta"):
         ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg))
     assert n == sum(p.numel() for p in ref.parameters())
-    assert n == {"qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704}[name]
+    assert n == {"qwen3-30b-a3b": 30_532_122_624, "mixtral-8x7b": 46_702_792_704,  # their model cards' totals
+                 "gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672}[name]
 
 
 def test_plan_counts_experts():

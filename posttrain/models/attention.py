@@ -7,7 +7,9 @@ Masking rule (the only one; `Layout` carries its inputs): a query attends a key 
   - the key is in the shared prefix (branch 0) or in the query's own branch (prefix-shared rows:
     a prompt once, then k continuations as branches 1..k, each attending the prompt and itself),
   - on sliding-window layers, q_pos - k_pos < window (by position, query included).
-A query with no key to attend outputs zeros.
+A query with no key to attend outputs zeros. Attention sinks (GPT-OSS, `sinks` [K, G]): a learned logit per
+query head joins every row's softmax as one more key whose value is zero, so a row's probabilities sum to less
+than 1.
 
 Implementations, all giving the same outputs and gradients (tests/test_attention.py):
   - "dense": float32 scores, the [B, T, S] mask, softmax. The reference; used for decode steps
@@ -87,18 +89,22 @@ def softcap(x, cap: Optional[float]):
 
 
 def attention(q, k, v, layout: Layout, *, window: Optional[int], scale: float, cap: Optional[float],
-              impl: str = "auto", return_probs: bool = False):
-    """q [B,T,K,G,H]; k, v [B,K,S,H]. Returns (out [B,T,K,G,H] in q's dtype, probs [B,K,G,T,S] or None)."""
+              impl: str = "auto", return_probs: bool = False, sinks=None):
+    """q [B,T,K,G,H]; k, v [B,K,S,H]; sinks [K,G] or None. Returns (out [B,T,K,G,H] in q's dtype,
+    probs [B,K,G,T,S] or None)."""
     if impl == "auto":
         impl = choose(jax.default_backend(), T=q.shape[1], S=k.shape[2], branches=layout.q_branch is not None,
-                      softcap=cap is not None, cached=not layout.causal_aligned, return_probs=return_probs)
+                      softcap=cap is not None or sinks is not None, cached=not layout.causal_aligned,
+                      return_probs=return_probs)
     if impl == "dense" or return_probs:
-        return dense(q, k, v, layout.mask(window), scale=scale, cap=cap, return_probs=return_probs)
+        return dense(q, k, v, layout.mask(window), scale=scale, cap=cap, return_probs=return_probs, sinks=sinks)
     if impl == "cudnn":
+        if sinks is not None:
+            raise ValueError("the cudnn attention has no sinks; use dense or blockwise")
         return _cudnn(q, k, v, layout, window=window, scale=scale), None
     if impl != "blockwise":
         raise ValueError(f"unknown attention implementation {impl!r}")
-    return blockwise(q, k, v, layout, window=window, scale=scale, cap=cap), None
+    return blockwise(q, k, v, layout, window=window, scale=scale, cap=cap, sinks=sinks), None
 
 
 def choose(backend: str, *, T: int, S: int, branches: bool, softcap: bool, cached: bool,
@@ -114,13 +120,18 @@ def choose(backend: str, *, T: int, S: int, branches: bool, softcap: bool, cache
 # ------------------------------------------------------------------------------------------ dense
 
 
-def dense(q, k, v, mask, *, scale, cap, return_probs=False):
-    """The reference: float32 scores, masked softmax; rows with nothing to attend output 0."""
+def dense(q, k, v, mask, *, scale, cap, return_probs=False, sinks=None):
+    """The reference: float32 scores, masked softmax (with the sink logits, if any, as one more key of value
+    zero); rows with nothing to attend output 0."""
     dt = q.dtype
     s = jnp.einsum("btkgh,bksh->bkgts", q, k.astype(dt)).astype(jnp.float32) * scale
     s = softcap(s, cap)
     s = jnp.where(mask[:, None, None], s, jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(dt)
+    if sinks is None:
+        p = jax.nn.softmax(s, axis=-1).astype(dt)
+    else:
+        sk = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None, None], s.shape[:-1] + (1,))
+        p = jax.nn.softmax(jnp.concatenate([s, sk], axis=-1), axis=-1)[..., :-1].astype(dt)
     out = jnp.einsum("bkgts,bksh->btkgh", p, v.astype(dt))
     out = jnp.where(jnp.any(mask, -1)[:, :, None, None, None], out, 0)
     return out, (p if return_probs else None)
@@ -138,7 +149,7 @@ def _pad(x, axis, n, value=0):
 
 
 def blockwise(q, k, v, layout: Layout, *, window, scale, cap, block_q: Optional[int] = None,
-              block_k: Optional[int] = None):
+              block_k: Optional[int] = None, sinks=None):
     """Tiled attention with skipped tiles and a recomputing backward pass; equals `dense`."""
     B, T = q.shape[:2]
     S = k.shape[2]
@@ -157,7 +168,7 @@ def blockwise(q, k, v, layout: Layout, *, window, scale, cap, block_q: Optional[
     count = jnp.sum(active, dtype=jnp.int32)
     order = jnp.nonzero(active, size=len(pairs), fill_value=0)[0]
     tiles = (jnp.asarray(pi)[order], jnp.asarray(pj)[order], count)
-    out = _flash(q, k, v, lay, tiles, (window, scale, cap, bq, bk))
+    out = _flash(q, k, v, sinks, lay, tiles, (window, scale, cap, bq, bk))
     return out[:, :T]
 
 
@@ -240,12 +251,12 @@ def _tile_scores(a, b, m, scale, cap, spec="bkgth,bksh->bkgts"):
     return jnp.where(m[:, None, None], s, -jnp.inf), t
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, lay, tiles, static):
-    return _flash_fwd(q, k, v, lay, tiles, static)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, sinks, lay, tiles, static):
+    return _flash_fwd(q, k, v, sinks, lay, tiles, static)[0]
 
 
-def _flash_fwd(q, k, v, lay, tiles, static):
+def _flash_fwd(q, k, v, sinks, lay, tiles, static):
     window, scale, cap, bq, bk = static
     B, Tp, K, G, H = q.shape
     dt = q.dtype
@@ -274,18 +285,22 @@ def _flash_fwd(q, k, v, lay, tiles, static):
         acc = jax.lax.dynamic_update_slice_in_dim(acc, a_new, i * bq, axis=3)
         return m, den, acc
 
-    init = (jnp.full((B, K, G, Tp), NEG, f32), jnp.zeros((B, K, G, Tp), f32), jnp.zeros((B, K, G, Tp, H), f32))
+    if sinks is None:
+        m0, den0 = jnp.full((B, K, G, Tp), NEG, f32), jnp.zeros((B, K, G, Tp), f32)
+    else:  # the sink starts the online softmax: running max = its logit, exp(sink - max) = 1 in the denominator
+        m0, den0 = jnp.broadcast_to(sinks.astype(f32)[None, :, :, None], (B, K, G, Tp)), jnp.ones((B, K, G, Tp), f32)
+    init = (m0, den0, jnp.zeros((B, K, G, Tp, H), f32))
     m, den, acc = jax.lax.fori_loop(0, count, body, init)
     safe = jnp.where(den > 0, den, 1.0)
     out = jnp.where((den > 0)[..., None], acc / safe[..., None], 0.0)
     lse = m + jnp.log(safe)
     out = jnp.transpose(out, (0, 3, 1, 2, 4)).astype(dt)  # [B,Tp,K,G,H]
-    return out, (qt, k, v, lay, tiles, out, lse)
+    return out, (qt, k, v, sinks, lay, tiles, out, lse)
 
 
 def _flash_bwd(static, res, dout):
     window, scale, cap, bq, bk = static
-    qt, k, v, lay, tiles, out, lse = res  # qt [B,K,G,Tp,H]
+    qt, k, v, sinks, lay, tiles, out, lse = res  # qt [B,K,G,Tp,H]
     dt = qt.dtype
     f32 = jnp.float32
     ti, tj, count = tiles
@@ -323,7 +338,11 @@ def _flash_bwd(static, res, dout):
     init = (jnp.zeros(qt.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
     dq, dk, dv = jax.lax.fori_loop(0, count, body, init)
     dq = jnp.transpose(dq, (0, 3, 1, 2, 4))  # back to [B,Tp,K,G,H]
-    return dq.astype(dt), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+    dsinks = None
+    if sinks is not None:  # the sink's probability times (its zero value's dP - D): -sum over rows of p_sink * D
+        p_sink = jnp.exp(sinks.astype(f32)[None, :, :, None] - lse)
+        dsinks = (-jnp.sum(p_sink * d, axis=(0, 3))).astype(sinks.dtype)
+    return dq.astype(dt), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -25,25 +25,30 @@ class RopeConfig:
     """Rotary embedding of one attention kind (HF `rope_parameters`)."""
 
     theta: float = 10_000.0  # base frequency
-    kind: str = "default"  # "default" | "linear" | "llama3" | "proportional" (Gemma 4 global layers)
+    kind: str = "default"  # "default" | "linear" | "llama3" | "proportional" (Gemma 4 global layers) | "yarn"
     factor: float = 1.0  # linear / llama3 / proportional scaling factor
     partial: float = 1.0  # proportional only: share of the head's dimension pairs that rotate (the rest do not)
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position: int = 8192  # llama3 only: pre-training context length
+    original_max_position: int = 8192  # llama3 / yarn: pre-training context length
+    beta_fast: float = 32.0  # yarn only: rotations where interpolation starts (HF beta_fast)
+    beta_slow: float = 1.0  # yarn only: rotations where extrapolation ends (HF beta_slow)
+    truncate: bool = True  # yarn only: round the correction range to whole dimensions (HF truncate)
+    attention_factor: Optional[float] = None  # yarn only: cos / sin scale; None = 0.1 ln(factor) + 1 (HF)
 
     def __post_init__(self):
-        if self.kind not in ("default", "linear", "llama3", "proportional"):
+        if self.kind not in ("default", "linear", "llama3", "proportional", "yarn"):
             raise PosttrainError(
-                f"unsupported rope type {self.kind!r}; posttrain supports default, linear, llama3 and proportional"
-            )
+                f"unsupported rope type {self.kind!r}; posttrain supports default, linear, llama3, proportional and "
+                "yarn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     """Shape and numerics of a decoder-only Transformer (HF-style names)."""
 
-    family: str = "llama"  # informational: llama | qwen2 | qwen3 | mistral | gemma[2|3|4] | qwen3_moe | mixtral
+    # informational: llama | qwen2 | qwen3 | mistral | gemma[2|3|4] | qwen3_moe | mixtral | gpt_oss
+    family: str = "llama"
     vocab_size: int  # tokens
     embed_dim: int  # hidden size D
     num_layers: int
@@ -91,6 +96,12 @@ class ModelConfig:
     per_layer_dim: int = 0  # P, width of the per-layer input embeddings added after each layer's MLP (0 = none)
     per_layer_vocab: int = 0  # tokens of the per-layer embedding table; 0 = vocab_size
     layer_scalar: bool = False  # each layer's output is multiplied by a loaded (never trained) scalar
+    # GPT-OSS (all off by default)
+    attn_sinks: bool = False  # a learned logit per query head joins every softmax (its value is zero)
+    o_bias: bool = False  # the attention output projection has a bias
+    router_bias: bool = False  # the MoE router has a bias
+    expert_bias: bool = False  # each expert's gate/up and down projections have biases
+    expert_act: str = "glu"  # "glu": act(gate) * up; "gpt_oss": clamped (7) gate * sigmoid(1.702 gate) * (up + 1)
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -126,6 +137,8 @@ class ModelConfig:
             bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
             if bad:
                 raise PosttrainError(f"model config: dense_layers {bad} are not layer indices 0..{self.num_layers - 1}")
+            if self.expert_act not in ("glu", "gpt_oss"):
+                raise PosttrainError(f"model config: expert_act {self.expert_act!r} is not glu or gpt_oss")
             if self.router_aux_loss_coef < 0 or self.router_z_loss_coef < 0:
                 raise PosttrainError("model config: router_aux_loss_coef and router_z_loss_coef must be >= 0")
         if self.global_kv_heads and self.num_heads % self.global_kv_heads:
@@ -289,6 +302,14 @@ PRESETS: dict[str, ModelConfig] = {
         family="mixtral", vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
         head_dim=128, mlp_dim=14_336, max_position=32_768, rope=RopeConfig(theta=1_000_000.0),
         num_experts=8, experts_per_token=2, expert_mlp_dim=14_336, router_aux_loss_coef=0.02),
+    # GPT-OSS (openai/gpt-oss-20b, -120b config.json): sinks, alternating 128-token sliding / full layers, YaRN.
+    **{name: ModelConfig(
+        family="gpt_oss", vocab_size=201_088, embed_dim=2880, num_layers=layers, num_heads=64, num_kv_heads=8,
+        head_dim=64, mlp_dim=2880, max_position=131_072, qkv_bias=True, o_bias=True, attn_sinks=True,
+        sliding_window=128, layer_types=tuple("sliding" if i % 2 == 0 else "full" for i in range(layers)),
+        rope=RopeConfig(theta=150_000.0, kind="yarn", factor=32.0, original_max_position=4096, truncate=False),
+        num_experts=experts, experts_per_token=4, expert_mlp_dim=2880, router_bias=True, expert_bias=True,
+        expert_act="gpt_oss") for name, layers, experts in (("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128))},
     # The demo's from-scratch model (byte tokenizer: vocab 263).
     "demo-tiny": ModelConfig(
         family="llama", vocab_size=263, embed_dim=128, num_layers=3, num_heads=4, num_kv_heads=4,

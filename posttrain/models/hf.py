@@ -93,6 +93,8 @@ def _expert_map(m: dict, cfg: ModelConfig, i: int, p: str) -> None:
     `block_sparse_moe.experts.<e>.{w1,w3,w2}` (gate, up, down); in memory transformers fuses them into
     [E, 2F, D] `experts.gate_up_proj` and [E, D, F] `experts.down_proj`, which are read too."""
     E, D, F = cfg.num_experts, cfg.embed_dim, cfg.expert_mlp_dim
+    if cfg.family == "gpt_oss":
+        return _gpt_oss_expert_map(m, cfg, i, p)
     mix = cfg.family == "mixtral"
     b = p + ("block_sparse_moe." if mix else "mlp.")
     gate, up, down = ("w1", "w3", "w2") if mix else ("gate_proj", "up_proj", "down_proj")
@@ -111,6 +113,23 @@ def _expert_map(m: dict, cfg: ModelConfig, i: int, p: str) -> None:
         ([fused + "down_proj"], lambda w: w.transpose(0, 2, 1)))
 
 
+def _gpt_oss_expert_map(m: dict, cfg: ModelConfig, i: int, p: str) -> None:
+    """GPT-OSS on disk: `mlp.router.{weight [E, D], bias [E]}`, `mlp.experts.gate_up_proj` [E, D, 2F] with gate
+    and up interleaved (gate the even columns), `gate_up_proj_bias` [E, 2F], `down_proj` [E, F, D],
+    `down_proj_bias` [E, D]."""
+    E, D, F = cfg.num_experts, cfg.embed_dim, cfg.expert_mlp_dim
+    b, L = p + "mlp.", ("layers", i, "mlp")
+    m[L + ("router",)] = ([b + "router.weight"], lambda w: w.T, lambda w: [w.T])
+    m[L + ("router_bias",)] = ([b + "router.bias"], lambda w: w, lambda w: [w])
+    m[L + ("expert_gate_up",)] = ([b + "experts.gate_up_proj"], lambda w: w.reshape(E, D, F, 2).transpose(0, 1, 3, 2),
+                                  lambda w: [w.transpose(0, 1, 3, 2).reshape(E, D, 2 * F)])
+    m[L + ("expert_gate_up_bias",)] = ([b + "experts.gate_up_proj_bias"],
+                                       lambda w: w.reshape(E, F, 2).transpose(0, 2, 1),
+                                       lambda w: [w.transpose(0, 2, 1).reshape(E, 2 * F)])
+    m[L + ("expert_down",)] = ([b + "experts.down_proj"], lambda w: w, lambda w: [w])
+    m[L + ("expert_down_bias",)] = ([b + "experts.down_proj_bias"], lambda w: w, lambda w: [w])
+
+
 def _attn_map(m: dict, cfg: ModelConfig, i: int, a: str) -> None:
     """Layer i's attention: q/k/v (k/v only where the layer has them: `Attention.kv_slots`) <-> fused qkv, o."""
     D, K, H = cfg.embed_dim, cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
@@ -127,6 +146,10 @@ def _attn_map(m: dict, cfg: ModelConfig, i: int, a: str) -> None:
             lambda q, *kv: np.concatenate([q.reshape(K, G, H)] + [b.reshape(K, 1, H) for b in kv], 1),
             lambda b: [b[:, :G].reshape(-1)] + [b[:, G + j].reshape(-1) for j in range(c)])
     m[L + ("o",)] = ([a + "o_proj.weight"], lambda w: w.T.reshape(K, G, H, D), lambda w: [w.reshape(K * G * H, D).T])
+    if cfg.o_bias:
+        m[L + ("o_bias",)] = ([a + "o_proj.bias"], lambda w: w, lambda w: [w])
+    if cfg.attn_sinks:  # HF [N] per query head; here [K, G]
+        m[L + ("sinks",)] = ([a + "sinks"], lambda w: w.reshape(K, G), lambda w: [w.reshape(-1)])
 
 
 def weight_map(cfg: ModelConfig, head: Optional[str] = None,

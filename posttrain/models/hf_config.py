@@ -10,8 +10,8 @@ from posttrain.models import gemma4
 from posttrain.models.config import ModelConfig, RopeConfig
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_moe",
-             "mixtral")
-MOE = ("qwen3_moe", "mixtral")  # mixture-of-experts families (models/moe.py)
+             "mixtral", "gpt_oss")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss")  # mixture-of-experts families (models/moe.py)
 
 # ----------------------------------------------------------------------------- config
 
@@ -59,9 +59,15 @@ _DEFAULTS = {
     "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
                     num_experts_per_tok=2, num_local_experts=8, router_aux_loss_coef=0.001, router_jitter_noise=0.0),
+    "gpt_oss": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, head_dim=64,
+                    num_attention_heads=64, num_key_value_heads=8, sliding_window=128, max_position_embeddings=131072,
+                    rms_norm_eps=1e-5, num_experts_per_tok=4, num_local_experts=128, router_aux_loss_coef=0.001,
+                    attention_bias=True),
 }
-_DEFAULT_THETA = {"mixtral": 1_000_000.0}  # transformers' default_theta (10 000 for the rest; Gemma 3 below)
-_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}, "mixtral": {"num_experts": "num_local_experts"}}
+# transformers' default_theta (10 000 for the rest; Gemma 3 below)
+_DEFAULT_THETA = {"mixtral": 1_000_000.0, "gpt_oss": 150_000.0}
+_ALIASES = {"qwen3_moe": {"num_experts": "num_local_experts"}, "mixtral": {"num_experts": "num_local_experts"},
+            "gpt_oss": {"num_experts": "num_local_experts"}}
 
 
 class HFConfig:
@@ -97,6 +103,12 @@ def _post_init(d: dict, mt: str) -> None:
     if mt in ("qwen2", "qwen3") and d.get("layer_types") is None:
         d["layer_types"] = ["sliding_attention" if d["sliding_window"] is not None and i >= d["max_window_layers"]
                             else "full_attention" for i in range(L)]
+    if mt == "gpt_oss":
+        if d.get("layer_types") is None:
+            d["layer_types"] = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)]
+        if d.get("rope_parameters") is None:
+            d["rope_parameters"] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 4096}
     if mt == "qwen3_moe" and d.get("mlp_only_layers") is None:
         d["mlp_only_layers"] = []
     if mt == "gemma2" and d.get("layer_types") is None:
@@ -186,11 +198,20 @@ def _rope(d: Optional[dict], default_theta: float = 10_000.0) -> RopeConfig:
                           low_freq_factor=float(d["low_freq_factor"]),
                           high_freq_factor=float(d["high_freq_factor"]),
                           original_max_position=int(d["original_max_position_embeddings"]))
+    if kind == "yarn":
+        af = d.get("attention_factor")
+        if af is None and d.get("mscale") and d.get("mscale_all_dim"):
+            raise PosttrainError("config.json: yarn rope with mscale / mscale_all_dim is not supported; give "
+                                 "rope_parameters.attention_factor instead")
+        return RopeConfig(theta=theta, kind="yarn", factor=float(d["factor"]),
+                          original_max_position=int(d["original_max_position_embeddings"]),
+                          beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
+                          truncate=bool(d.get("truncate", True)), attention_factor=None if af is None else float(af))
     if kind == "proportional":  # Gemma 4 global layers
         return RopeConfig(theta=theta, kind="proportional", factor=float(d.get("factor", 1.0)),
                           partial=float(d.get("partial_rotary_factor", 1.0)))
-    raise PosttrainError(f"config.json: rope type {kind!r} is not supported (default, linear, llama3, proportional "
-                         "are)")
+    raise PosttrainError(f"config.json: rope type {kind!r} is not supported (default, linear, llama3, proportional, "
+                         "yarn are)")
 
 
 def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
@@ -200,7 +221,7 @@ def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
         raise PosttrainError(
             f"{where}: model_type {mt!r} is not supported; posttrain loads {', '.join(SUPPORTED)}. "
             "Convert the checkpoint to one of these architectures or open an issue.")
-    if getattr(hf, "mlp_bias", False) or (mt != "qwen2" and getattr(hf, "attention_bias", False)):
+    if getattr(hf, "mlp_bias", False) or (mt not in ("qwen2", "gpt_oss") and getattr(hf, "attention_bias", False)):
         raise PosttrainError(f"{where}: attention_bias / mlp_bias = true is not supported; set them false")
     heads = hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
@@ -228,7 +249,9 @@ def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
         kw.update(sandwich_norm=True, query_scale=hf.query_pre_attn_scalar ** -0.5,
                   attn_softcap=getattr(hf, "attn_logit_softcapping", None),
                   final_softcap=getattr(hf, "final_logit_softcapping", None))
-    kw["qkv_bias"] = mt == "qwen2"
+    kw["qkv_bias"] = mt == "qwen2" or (mt == "gpt_oss" and bool(hf.attention_bias))
+    if mt == "gpt_oss":
+        kw.update(o_bias=bool(hf.attention_bias), attn_sinks=True)
     kw["qk_norm"] = mt in ("qwen3", "gemma3_text", "gemma4_text", "qwen3_moe")
     if mt in MOE:
         kw.update(_moe_from_hf(hf, mt, where))
@@ -249,6 +272,10 @@ def _moe_from_hf(hf, mt: str, where: str) -> dict:
     L = hf.num_hidden_layers
     if getattr(hf, "router_jitter_noise", 0.0):  # multiplicative noise on the router input while training
         raise PosttrainError(f"{where}: router_jitter_noise = {hf.router_jitter_noise} is not supported; set it to 0")
+    if mt == "gpt_oss":  # experts on every layer, softmax over the top-k logits (= renormalised top-k)
+        return dict(num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
+                    expert_mlp_dim=hf.intermediate_size, norm_topk_prob=True, router_bias=True, expert_bias=True,
+                    expert_act="gpt_oss", router_aux_loss_coef=float(hf.router_aux_loss_coef))
     if mt == "mixtral":
         return dict(num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
                     expert_mlp_dim=hf.intermediate_size, norm_topk_prob=True,
@@ -278,6 +305,11 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
             d["factor"] = r.factor
         if r.kind == "proportional":
             d["partial_rotary_factor"] = r.partial
+        if r.kind == "yarn":
+            d.update(factor=r.factor, beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate,
+                     original_max_position_embeddings=r.original_max_position)
+            if r.attention_factor is not None:
+                d["attention_factor"] = r.attention_factor
         if r.kind == "llama3":
             d.update(factor=r.factor, low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
                      original_max_position_embeddings=r.original_max_position)
@@ -320,6 +352,13 @@ def _moe_to_hf(cfg: ModelConfig, mt: str) -> dict:
     if mt not in MOE:
         raise PosttrainError(f"cannot export a mixture-of-experts model as family {cfg.family!r}; use "
                              f"{' or '.join(MOE)}")
+    if mt == "gpt_oss":
+        if cfg.dense_layers or not cfg.norm_topk_prob or not cfg.num_experts or cfg.expert_act != "gpt_oss":
+            raise PosttrainError("cannot export as gpt_oss: GPT-OSS has biased experts with its clamped activation "
+                                 "on every layer and renormalised top-k weights")
+        return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                    intermediate_size=cfg.expert_mlp_dim, router_aux_loss_coef=cfg.router_aux_loss_coef,
+                    attention_bias=cfg.qkv_bias)
     if mt == "mixtral":
         if cfg.dense_layers or not cfg.norm_topk_prob or not cfg.num_experts:
             raise PosttrainError("cannot export as mixtral: Mixtral has experts on every layer (dense_layers = ()) "
@@ -336,7 +375,7 @@ def _moe_to_hf(cfg: ModelConfig, mt: str) -> dict:
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
          "gemma3_text": "Gemma3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-         "mixtral": "MixtralForCausalLM"}
+         "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # transformers' sequence-classification class of each family (gemma3_text: the text-only one).
 CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
             "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",

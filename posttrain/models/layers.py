@@ -86,13 +86,39 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv = np.where(medium, smoothed, scaled).astype(np.float32)
+    elif rope.kind == "yarn":
+        # YaRN (arXiv 2309.00071) as transformers' _compute_yarn_parameters: interpolate (divide by `factor`)
+        # the low frequencies, extrapolate the high ones, a linear ramp between the correction dimensions.
+        def corr(rot):
+            return head_dim * math.log(rope.original_max_position / (rot * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+        lo, hi = corr(rope.beta_fast), corr(rope.beta_slow)
+        if rope.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, head_dim - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - lo) / (hi - lo), 0, 1).astype(np.float32)
+        extrapolate = 1 - ramp
+        inv = (inv / rope.factor * (1 - extrapolate) + inv * extrapolate).astype(np.float32)
     return inv
+
+
+def rope_scale(rope: RopeConfig) -> float:
+    """The factor on cos and sin (YaRN's attention factor; 1 otherwise), as transformers' attention_scaling."""
+    if rope.kind != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
 
 
 def rope_cos_sin(positions, rope: RopeConfig, head_dim: int):
     """(cos, sin), each [B, T, H] float32, for positions [B, T] int (shared by every layer using `rope`)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(rope, head_dim))  # [B, T, H/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
+    scale = rope_scale(rope)
+    if scale != 1.0:
+        return jnp.cos(emb) * scale, jnp.sin(emb) * scale
     return jnp.cos(emb), jnp.sin(emb)
 
 
@@ -157,6 +183,8 @@ class Attention(nnx.Module):
         self.qkv = param(init(rngs.params(), (D, K, C, H), pd), ("embed", "kv_heads", None, "head_dim"))
         self.qkv_bias = param(jnp.zeros((K, C, H), pd), ("kv_heads", None, "head_dim")) if cfg.qkv_bias else None
         self.o = param(init(rngs.params(), (K, G, H, D), pd), ("kv_heads", None, "head_dim", "embed"))
+        self.o_bias = param(jnp.zeros((D,), pd), ("embed",)) if cfg.o_bias else None
+        self.sinks = param(jnp.zeros((K, G), pd), ("kv_heads", None)) if cfg.attn_sinks else None  # GPT-OSS
         norm = dict(eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, param_dtype=pd, names=("head_dim",))
         self.q_norm = RMSNorm(H, **norm) if cfg.qk_norm else None
         self.k_norm = RMSNorm(H, **norm) if cfg.qk_norm and self.kv_slots else None
@@ -205,12 +233,14 @@ class Attention(nnx.Module):
         else:
             (k, v), kv = shared, None
         out, probs = attention(q, k, v, layout, window=self.window, scale=self.scale, cap=self.attn_softcap,
-                               return_probs=return_attn)
+                               return_probs=return_attn, sinks=None if self.sinks is None else self.sinks[...])
         b, t = out.shape[:2]  # one 2-D matmul: lets XLA keep the weight's layout (no per-call transpose)
         o = self.o[...].astype(dt)
         y = out.reshape(b, t, -1) @ o.reshape(-1, o.shape[-1])
         if (d := lora_update(self, "o", out)) is not None:
             y = y + d
+        if self.o_bias is not None:
+            y = y + self.o_bias[...].astype(dt)
         attn = None
         if return_attn:
             b, kh, g, t, s = probs.shape

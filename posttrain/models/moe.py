@@ -8,7 +8,9 @@ Routing follows Hugging Face transformers 5.12 exactly: router logits = x W_r (c
 probabilities = float32 softmax, the top-k experts per token, their probabilities renormalised to
 sum 1 when `norm_topk_prob` (Mixtral, Gemma 4 always), and y = sum_k p_k * down_e(act(gate_e(x)) * up_e(x)).
 Gemma 4's router reads the layer input normalised without a scale, times a learned scale [D] and
-D^-1/2, and multiplies the renormalised weights by a learned per-expert scale [E].
+D^-1/2, and multiplies the renormalised weights by a learned per-expert scale [E]. GPT-OSS adds a router bias,
+gate/up and down biases per expert, and its clamped activation (`gpt_oss_glu`); its router's softmax over the
+top-k logits is the renormalised top-k of the full softmax.
 
 Dropless and grouped (MegaBlocks, arXiv 2211.15841): the N * k (token, expert) assignments are
 sorted by expert, each expert's rows form one contiguous group, and the two expert projections
@@ -132,6 +134,14 @@ def _every_expert_is_cheaper(n: int, num_experts: int, k: int) -> bool:
     return jax.default_backend() == "cpu" and num_experts * n <= tiles * TILE
 
 
+def gpt_oss_glu(gate, up, alpha: float = 1.702, limit: float = 7.0):
+    """GPT-OSS experts' activation (transformers GptOssExperts._apply_gate): gate clamped above at `limit`,
+    up to [-limit, limit], (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
 def route(logits, k: int, normalize: bool, replay=None):
     """Router logits [..., E] -> (weights [..., k] float32, expert ids [..., k] int32), as transformers.
 
@@ -159,6 +169,7 @@ class MoE(nnx.Module):
         pd = jnp.dtype(cfg.param_dtype)
         init = nnx.initializers.normal(0.02)
         self.router = param(init(rngs.params(), (D, E), pd), ("embed", None))
+        self.router_bias = param(jnp.zeros((E,), pd), (None,)) if cfg.router_bias else None
         g4 = cfg.moe_beside_mlp  # Gemma 4's router (HF: router.scale, router.per_expert_scale)
         self.router_scale = param(jnp.ones((D,), pd), ("embed",)) if g4 else None
         self.expert_scale = param(jnp.ones((E,), pd), (None,)) if g4 else None
@@ -166,6 +177,9 @@ class MoE(nnx.Module):
         # Not named gate_up / down: LoRA (models/lora.py) targets those names and adapts dense MLPs only.
         self.expert_gate_up = param(init(rngs.params(), (E, D, 2, F), pd), ("expert", "embed", None, "mlp"))
         self.expert_down = param(init(rngs.params(), (E, F, D), pd), ("expert", "mlp", "embed"))
+        self.expert_gate_up_bias = param(jnp.zeros((E, 2, F), pd), ("expert", None, "mlp")) if cfg.expert_bias else None
+        self.expert_down_bias = param(jnp.zeros((E, D), pd), ("expert", "embed")) if cfg.expert_bias else None
+        self.gpt_oss = cfg.expert_act == "gpt_oss"
         self.k = cfg.experts_per_token
         self.normalize = cfg.norm_topk_prob
         self.act = jax.nn.silu if cfg.activation == "silu" else (lambda z: jax.nn.gelu(z, approximate=True))
@@ -182,17 +196,26 @@ class MoE(nnx.Module):
         if self.router_scale is not None:
             rx = rms_normalize(rx, self.eps) * self.router_scale[...].astype(dt) * jnp.asarray(D ** -0.5, dt)
         logits = rx @ self.router[...].astype(dt)  # [N, E]
+        if self.router_bias is not None:
+            logits = logits + self.router_bias[...].astype(dt)
         weights, idx = route(logits, k, self.normalize, None if routes is None else routes.reshape(B * T, k))
         if self.expert_scale is not None:
             weights = weights * jnp.take(self.expert_scale[...].astype(jnp.float32), idx)
         gate_up, down = self.expert_gate_up[...].astype(dt), self.expert_down[...].astype(dt)
+        gb = None if self.expert_gate_up_bias is None else self.expert_gate_up_bias[...].astype(dt)
+        db = None if self.expert_down_bias is None else self.expert_down_bias[...].astype(dt)
+        glu = gpt_oss_glu if self.gpt_oss else (lambda g, u: self.act(g) * u)
         if _every_expert_is_cheaper(B * T, E, k):  # decode steps on CPU: see _every_expert_is_cheaper
             comb = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * weights[..., None], axis=1)  # [N, E]
             # x broadcast over the experts: one batched product that reads each expert's weight in place
             # (with x unbatched, XLA transposed the whole [E, D, 2, F] weight at every decode step)
             h = jnp.einsum("end,edgf->engf", jnp.broadcast_to(xf, (E, B * T, D)), gate_up)
-            h = self.act(h[:, :, 0]) * h[:, :, 1] * comb.T.astype(dt)[..., None]  # the weight before down: linear
+            if gb is not None:
+                h = h + gb[:, None]
+            h = glu(h[:, :, 0], h[:, :, 1]) * comb.T.astype(dt)[..., None]  # the weight before down: linear
             out = jnp.einsum("enf,efd->nd", h, down)
+            if db is not None:
+                out = out + comb.astype(dt) @ db
         else:
             flat = idx.reshape(-1)  # assignment a = token * k + slot
             order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
@@ -200,9 +223,13 @@ class MoE(nnx.Module):
             sizes = jnp.bincount(flat, length=E)
             xs = jnp.take(xf, order // k, axis=0)  # [N k, D]
             h = grouped_matmul(xs, gate_up.reshape(E, D, 2 * F), sizes)
+            if gb is not None:
+                h = h + jnp.take(gb.reshape(E, 2 * F), flat[order], axis=0)
             gate, up = split(h.reshape(-1, 2, F), 1, (1, 1))
-            h = self.act(gate[:, 0]) * up[:, 0]
+            h = glu(gate[:, 0], up[:, 0])
             y = grouped_matmul(h, down, sizes)  # [N k, D]
+            if db is not None:
+                y = y + jnp.take(db, flat[order], axis=0)
             y = jnp.take(y, inverse, axis=0).reshape(B * T, k, D)
             out = jnp.einsum("nkd,nk->nd", y, weights.astype(dt))
         return constrain(out.reshape(B, T, D), ("batch", "seq", "embed")), logits.reshape(B, T, E).astype(jnp.float32)
