@@ -23,8 +23,10 @@ def _inputs(T, seed=0, B=2, H=3, Dk=8, Dv=12):
 @pytest.mark.parity
 @pytest.mark.parametrize("T", [1, 37, 150])  # 150: more than two 64-token chunks, the last one padded
 def test_both_forms_equal_transformers(T):
-    from transformers.models.qwen3_5.modeling_qwen3_5 import (torch_chunk_gated_delta_rule,
-                                                              torch_recurrent_gated_delta_rule)
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
 
     q, k, v, g, beta, state = _inputs(T)
     t = [torch.tensor(x) for x in (q, k, v, g, beta)]
