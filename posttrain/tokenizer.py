@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Optional
 
 import jinja2
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
@@ -216,9 +217,11 @@ class Tokenizer:
         return dict(self.hf.special_tokens_map)
 
     def render_chat(self, messages, add_generation_prompt: bool = False, where: str = "", spans: bool = False,
-                    allow_empty: bool = False):
+                    allow_empty: bool = False, template_kwargs: Optional[dict] = None):
         """The chat template's text for `messages` (transformers' rendering, through jinja2 here);
-        spans=True: (text, character spans of the {% generation %} blocks)."""
+        spans=True: (text, character spans of the {% generation %} blocks). template_kwargs: more template
+        variables, as transformers' apply_chat_template(**kwargs) (GPT-OSS `reasoning_effort`, Qwen3
+        `enable_thinking`)."""
         at = f"{where}: " if where else ""
         template = self.chat_template
         if template is None:
@@ -232,18 +235,19 @@ class Tokenizer:
                                  "{'role', 'content'} dict")
         try:
             return render(template, list(messages), add_generation_prompt=add_generation_prompt, spans=spans,
-                          **self._special_tokens_map())
+                          **{**self._special_tokens_map(), **(template_kwargs or {})})
         except jinja2.TemplateError as err:  # e.g. the template's own raise_exception on bad roles
             raise PosttrainError(
                 f"{at}the chat template rejected these messages: {err}; fix the roles/contents of the conversation"
             ) from err
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = False, tokenize: bool = True,
-                            where: str = ""):
+                            where: str = "", **template_kwargs):
         """Render messages ([{'role': ..., 'content': ...}, ...]); ids if tokenize else the text.
 
-        where: a prefix for error messages (e.g. 'train.jsonl:12')."""
-        text = self.render_chat(messages, add_generation_prompt, where)
+        where: a prefix for error messages (e.g. 'train.jsonl:12'); template_kwargs: more template variables,
+        as transformers' (e.g. reasoning_effort="high" for GPT-OSS)."""
+        text = self.render_chat(messages, add_generation_prompt, where, template_kwargs=template_kwargs)
         # Tokenized as transformers' apply_chat_template(tokenize=True) does: the template writes the specials.
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

@@ -214,3 +214,20 @@ def test_light_tokenizer_matches_transformers(tok, tmp_path, folder):
                 theirs.apply_chat_template(CHAT, add_generation_prompt=gen, tokenize=False)
         out = theirs.apply_chat_template(CHAT, return_dict=True, return_assistant_tokens_mask=True)
         assert ours.assistant_mask(CHAT) == (list(out["input_ids"]), list(out["assistant_masks"]))
+
+
+def test_template_variables_render_as_transformers(tmp_path):
+    """Template variables beyond the messages (GPT-OSS's reasoning_effort, with its default when not given)
+    render as transformers' apply_chat_template(**kwargs) renders them, text and ids."""
+    path = word_level_folder(tmp_path)
+    template = ("{{ '<s>' }}{% if reasoning_effort is defined %}{{ reasoning_effort + ' ' }}{% else %}{{ 'a ' }}"
+                "{% endif %}{% for m in messages %}{{ m['content'] + ' </s> ' }}{% endfor %}")
+    (path / "chat_template.jinja").write_text(template)
+    hf = PreTrainedTokenizerFast.from_pretrained(str(path))
+    ours = Tokenizer.from_pretrained(str(path))
+    msgs = [{"role": "user", "content": "a b"}]
+    for kw in ({}, {"reasoning_effort": "b"}):
+        assert ours.apply_chat_template(msgs, tokenize=False, **kw) == hf.apply_chat_template(msgs, tokenize=False,
+                                                                                              **kw)
+        assert ours.apply_chat_template(msgs, **kw) == hf.apply_chat_template(msgs, return_dict=False, **kw)
+    assert ours.apply_chat_template(msgs, tokenize=False, reasoning_effort="b").startswith("<s>b ")
