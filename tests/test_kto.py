@@ -142,10 +142,13 @@ def _model(seed):
     return Transformer(preset("demo-tiny", vocab_size=tok.vocab_size), rngs=nnx.Rngs(seed)), tok
 
 
+_forward = nnx.jit(lambda model, ids: model(ids, jnp.arange(ids.shape[1])[None]).logits)  # one compile per length
+
+
 def _completion_logp(model, prompt, completion):
     """Σ log p(completion | prompt) from a plain forward over [prompt | completion] (no branches)."""
     ids = jnp.asarray(np.concatenate([prompt, completion]))[None]
-    logits = model(ids, jnp.arange(ids.shape[1])[None]).logits[0].astype(jnp.float32)
+    logits = _forward(model, ids)[0].astype(jnp.float32)
     logp = jax.nn.log_softmax(logits[len(prompt) - 1:-1], axis=-1)
     return float(jnp.sum(jnp.take_along_axis(logp, jnp.asarray(completion)[:, None], axis=-1)))
 
@@ -164,7 +167,7 @@ def test_loss_fn_on_a_model_equals_the_pure_function(loss_type):
     batch = {k: jnp.asarray(v) for k, v in kto_rows(np.arange(6), ex, group=3, length=32, score_length=16,
                                                   pad_id=tok.pad_id, kl=kl).items()}
     loss_fn = make_kto_loss(beta=0.3, desirable_weight=1.2, undesirable_weight=0.8, loss_type=loss_type)
-    total, metrics = loss_fn(policy, batch, frozen=ref)
+    total, metrics = nnx.jit(lambda m, r, b: loss_fn(m, b, frozen=r))(policy, ref, batch)
     other = [2, 0, 1, 5, 3, 4]  # the KL completion of row i: the previous row of its group of 3, cyclically
     logps = {m: np.array([[_completion_logp(m, p, c), _completion_logp(m, p, ex[other[i]][1])]
                           for i, (p, c, _) in enumerate(ex)]) for m in (policy, ref)}
@@ -174,7 +177,7 @@ def test_loss_fn_on_a_model_equals_the_pure_function(loss_type):
     assert float(total) == pytest.approx(float(want), abs=1e-5)
     for k in want_m:
         assert float(metrics[k]) == pytest.approx(float(want_m[k]), abs=1e-4), k
-    grads = nnx.grad(lambda m: loss_fn(m, batch, frozen=ref)[0])(policy)
+    grads = nnx.jit(nnx.grad(lambda m, r, b: loss_fn(m, b, frozen=r)[0]))(policy, ref, batch)
     leaves = jax.tree.leaves(grads)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves) and any(float(jnp.abs(g).max()) > 0 for g in leaves)
 
