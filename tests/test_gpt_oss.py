@@ -133,8 +133,8 @@ def test_prefix_shared_rows_equal_unshared_rows_logps_and_gradients(ckpt, path, 
     graphdef, params = nnx.split(from_pretrained(ckpt))
     groups = _groups(1)
     shared, unshared = _shared_batch(groups), _unshared_batch(groups)
-    tok_s, _, _ = branch_logps(nnx.merge(graphdef, params), shared, 3)
-    tok_u, _, _ = branch_logps(nnx.merge(graphdef, params), unshared, 1)
+    logps = jax.jit(lambda p, b, k: branch_logps(nnx.merge(graphdef, p), b, k)[0], static_argnums=2)
+    tok_s, tok_u = logps(params, shared, 3), logps(params, unshared, 1)
     for g, (_, conts) in enumerate(groups):
         off = 0
         for i, c in enumerate(conts):
@@ -143,9 +143,9 @@ def test_prefix_shared_rows_equal_unshared_rows_logps_and_gradients(ckpt, path, 
             off += len(c)
     n_tokens = sum(len(c) for _, conts in groups for c in conts)
     coef = jnp.asarray([[1.0, -0.5, 2.0], [0.3, 1.5, -1.0]]) / n_tokens
-    g_s = jax.grad(lambda p: jnp.sum(branch_logps(nnx.merge(graphdef, p), shared, 3)[1] * coef))(params)
-    g_u = jax.grad(lambda p: jnp.sum(branch_logps(nnx.merge(graphdef, p), unshared, 1)[1][:, 0] * coef.reshape(-1)))(
-        params)
+    g_s = jax.jit(jax.grad(lambda p: jnp.sum(branch_logps(nnx.merge(graphdef, p), shared, 3)[1] * coef)))(params)
+    g_u = jax.jit(jax.grad(lambda p: jnp.sum(branch_logps(nnx.merge(graphdef, p), unshared, 1)[1][:, 0]
+                                             * coef.reshape(-1))))(params)
     flat_s, flat_u = dict(nnx.to_flat_state(g_s)), dict(nnx.to_flat_state(g_u))
     sinks = [k for k in flat_s if k[-1] == "sinks"]
     assert sinks and all(float(jnp.abs(flat_s[k][...]).max()) > 1e-4 for k in sinks)  # the sinks learn
