@@ -11,7 +11,8 @@ mean rollout generation seconds per step come from the run's metrics. Then the b
 bfloat16, on the SFT model (200 prompts x 8 samples, medians of --rounds interleaved rounds). JSON on stdout.
 
 Usage: .venv/bin/python benchmarks/rollouts.py [--demo runs/demo] [--out runs/rollouts] [--rounds 5]
-       [--variants stale1,stale1_split] [--no-speed]   (stale1_split: XLA_FLAGS=--xla_force_host_platform_device_count=4)
+       [--variants stale1,stale1_split] [--no-speed]
+(stale1_split needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=4)
 """
 
 import argparse
