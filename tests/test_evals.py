@@ -77,6 +77,7 @@ def test_bootstrap_interval_covers_the_true_value(metric):
         summary = summarize(correct, correct.astype(float), np.ones((100, 8)), [[None] * 8] * 100, seed=run)
         lo, hi = summary[metric][1]
         covered += lo <= truth <= hi
+    print(f"bootstrap 95 % interval of {metric}: covers the truth in {covered} of 200 runs")
     assert covered >= 180, covered
 
 
