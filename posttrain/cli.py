@@ -317,6 +317,10 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a full disk or quota, 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.func in (_generate, _train, _eval, _run, _demo):  # the commands that compile
+            from posttrain import compile_cache
+
+            compile_cache.enable()  # before the first compilation
         if getattr(args, "distributed", False):
             from posttrain.sharding import init_distributed
 

@@ -178,6 +178,10 @@ def test_stop_tokens_and_per_row_limits(samplers):
     assert (short.lengths == 3).all()  # every row done in the first cache phase: later phases run no step
     np.testing.assert_array_equal(short.tokens[:, :3], free.tokens[:, :3])
     assert (short.tokens[:, 3:] == 0).all()
+    one = s.generate(prompts, SamplingParams(max_new_tokens=1, temperature=0.0))  # the prefill's token only
+    assert one.tokens.shape == (3, 1) and (one.lengths == 1).all()
+    np.testing.assert_array_equal(one.tokens[:, 0], free.tokens[:, 0])
+    np.testing.assert_allclose(one.logprobs[:, 0], free.logprobs[:, 0], atol=1e-6)
 
 
 def test_same_key_same_samples(samplers):

@@ -256,8 +256,9 @@ class Sampler:
             return i + 1, new, pos + 1, out.cache, done, out_tok, out_lp, lengths, hist, routes
 
         # Step i writes cache slot start + i - 1. The cache grows in phases, so attention (which reads
-        # every slot of the cache) reads about the filled part only: one while_loop per phase.
-        for size in phase_sizes(P, max_new) if phases else (P,):
+        # every slot of the cache) reads about the filled part only: one while_loop per phase. One new token
+        # (max_new 1) is the prefill's: no decode step is traced or compiled.
+        for size in (phase_sizes(P, max_new) if phases else (P,)) if max_new > 1 else ():
             carry = carry[:3] + (grow(carry[3], size),) + carry[4:]
             last = size - start + 1  # steps this phase's cache can hold
 
