@@ -17,16 +17,20 @@ Both take q, k [B, T, H, Dk], v [B, T, H, Dv], g, beta [B, T, H] (float32 inside
 [B, H, Dk, Dv]; both return (o [B, T, H, Dv] in v's dtype, final state float32). Tokens with g = 0 and
 beta = 0 leave the state unchanged (padding).
 
-What it is not (yet): the Gated DeltaNet layer (projections, the causal depthwise convolution, the gated
-output norm), its cache in the sampler, or prefix-shared rows for linear layers; issue #36 wires those.
+- `GatedDeltaNet`: the whole layer (projections, the causal depthwise convolution, the gated output norm),
+  equal to transformers' `Qwen3_5GatedDeltaNet`, with its state (`LinearState`) carried between calls.
+
+What it is not (yet): a layer of posttrain's Transformer (config fields, HF import, the sampler's cache, prefix-
+shared rows for linear layers); issue #36 wires those.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def l2norm(x, eps: float = 1e-6):
@@ -35,7 +39,7 @@ def l2norm(x, eps: float = 1e-6):
 
 
 def _prepare(q, k, v, g, beta, normalize: bool):
-    f32 = jnp.float32
+    f32 = jnp.promote_types(v.dtype, jnp.float32)  # float32, or float64 under x64 (the tests' reference)
     q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
     if normalize:
         q, k = l2norm(q), l2norm(k)
@@ -48,7 +52,7 @@ def recurrent(q, k, v, g, beta, state: Optional[jax.Array] = None, *, normalize:
     q, k, v, g, beta = _prepare(q, k, v, g, beta, normalize)
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
-    s0 = jnp.zeros((B, H, Dk, Dv), jnp.float32) if state is None else state.astype(jnp.float32)
+    s0 = jnp.zeros((B, H, Dk, Dv), v.dtype) if state is None else state.astype(v.dtype)
 
     def step(s, x):
         qt, kt, vt, gt, bt = x  # [B, H, ...]
@@ -80,10 +84,10 @@ def chunked(q, k, v, g, beta, state: Optional[jax.Array] = None, *, chunk: int =
         return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
 
     qc, kc, vc, gc, bc = (split(x) for x in (q, k, v, g, beta))
-    s0 = jnp.zeros((B, H, Dk, Dv), jnp.float32) if state is None else state.astype(jnp.float32)
+    s0 = jnp.zeros((B, H, Dk, Dv), v.dtype) if state is None else state.astype(v.dtype)
     lower = jnp.tril(jnp.ones((C, C), bool))
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    eye = jnp.eye(C, dtype=jnp.float32)
+    eye = jnp.eye(C, dtype=v.dtype)
 
     @jax.checkpoint
     def body(s, x):
@@ -107,3 +111,101 @@ def chunked(q, k, v, g, beta, state: Optional[jax.Array] = None, *, chunk: int =
     s, o = jax.lax.scan(body, s0, (qc, kc, vc, gc, bc))  # o [n, B, H, C, Dv]
     o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, n * C, H, Dv)[:, :T]
     return o.astype(dt), s
+
+
+class LinearState(NamedTuple):
+    """What a Gated DeltaNet layer carries between calls (its cache): the last `kernel - 1` inputs of the
+    causal convolution [B, kernel - 1, C] and the delta-rule state [B, Hv, Dk, Dv] (float32)."""
+    conv: jax.Array
+    recurrent: jax.Array
+
+
+def causal_conv(x, weight, past):
+    """Depthwise causal convolution over time: x [B, T, C], weight [C, K] (HF `conv1d.weight[:, 0]`),
+    past [B, K - 1, C] (the inputs before x; zeros at a sequence start). y_t = sum_j w_j x_{t - K + 1 + j}.
+    Returns (y [B, T, C], the last K - 1 inputs)."""
+    K = weight.shape[1]
+    full = jnp.concatenate([past.astype(x.dtype), x], axis=1)  # [B, K - 1 + T, C]
+    T = x.shape[1]
+    y = sum(full[:, j:j + T] * weight[:, j].astype(x.dtype) for j in range(K))
+    return y, full[:, full.shape[1] - (K - 1):]
+
+
+class GatedDeltaNet(nnx.Module):
+    """The linear-attention layer of Qwen3.5 / Qwen3-Next (transformers' `Qwen3_5GatedDeltaNet`): projections
+    to q, k, v (Hk key heads of Dk, Hv value heads of Dv; q and k repeated to Hv heads), a causal depthwise
+    convolution (kernel K) with SiLU over [q | k | v], the gated delta rule with beta = sigmoid(b) and log
+    decay g = -exp(A_log) softplus(a + dt_bias), an RMS norm of each head's output (weight w, not 1 + w)
+    gated by SiLU(z), and the output projection.
+
+    Parameter names follow HF's (`in_proj_qkv` [D, 2 Hk Dk + Hv Dv], `in_proj_z`, `in_proj_b`, `in_proj_a`,
+    `conv` [C, K] = HF `conv1d.weight[:, 0]`, `dt_bias`, `A_log`, `norm`, `out_proj`), stored [in, out]."""
+
+    def __init__(self, embed_dim: int, *, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
+                 kernel: int = 4, eps: float = 1e-6, param_dtype=jnp.float32, dtype=jnp.float32,
+                 rngs: nnx.Rngs):
+        from posttrain.sharding import param
+
+        if value_heads % key_heads:
+            raise ValueError(f"GatedDeltaNet: value_heads {value_heads} must be a multiple of key_heads {key_heads}")
+        D, pd = embed_dim, jnp.dtype(param_dtype)
+        init = nnx.initializers.normal(0.02)
+        self.Hk, self.Hv, self.Dk, self.Dv, self.K = key_heads, value_heads, key_dim, value_dim, kernel
+        self.channels = 2 * key_heads * key_dim + value_heads * value_dim
+        self.in_proj_qkv = param(init(rngs.params(), (D, self.channels), pd), ("embed", None))
+        self.in_proj_z = param(init(rngs.params(), (D, value_heads * value_dim), pd), ("embed", None))
+        self.in_proj_b = param(init(rngs.params(), (D, value_heads), pd), ("embed", None))
+        self.in_proj_a = param(init(rngs.params(), (D, value_heads), pd), ("embed", None))
+        self.conv = param(init(rngs.params(), (self.channels, kernel), pd), (None, None))
+        self.dt_bias = param(jnp.ones((value_heads,), pd), (None,))
+        self.A_log = param(jnp.log(jnp.linspace(1.0, 16.0, value_heads)).astype(pd), (None,))
+        self.norm = param(jnp.ones((value_dim,), pd), (None,))
+        self.out_proj = param(init(rngs.params(), (value_heads * value_dim, D), pd), (None, "embed"))
+        self.eps = eps
+        self.dtype = jnp.dtype(dtype)
+
+    def init_state(self, batch: int) -> LinearState:
+        return LinearState(jnp.zeros((batch, self.K - 1, self.channels), self.dtype),
+                           jnp.zeros((batch, self.Hv, self.Dk, self.Dv), jnp.float32))
+
+    def __call__(self, x, state: Optional[LinearState] = None, valid=None, *, chunk: int = 64):
+        """x [B, T, D] -> (y [B, T, D], the state after the last token). state: carried in (a cache), else a
+        sequence start. valid [B, T] bool: padding tokens (False) enter as zeros (as HF's padding mask) and
+        leave the delta-rule state unchanged, so left padding is exact. One token uses the recurrent form,
+        more the chunked one."""
+        dt = self.dtype
+        B, T, _ = x.shape
+        state = self.init_state(B) if state is None else state
+        x = x.astype(dt)
+        if valid is not None:
+            x = x * valid[..., None].astype(dt)
+        mixed = x @ self.in_proj_qkv[...].astype(dt)
+        z = (x @ self.in_proj_z[...].astype(dt)).reshape(B, T, self.Hv, self.Dv)
+        b = x @ self.in_proj_b[...].astype(dt)
+        a = x @ self.in_proj_a[...].astype(dt)
+        mixed, conv_state = causal_conv(mixed, self.conv[...], state.conv)
+        mixed = jax.nn.silu(mixed)
+        kd = self.Hk * self.Dk
+        q = mixed[..., :kd].reshape(B, T, self.Hk, self.Dk)
+        k = mixed[..., kd:2 * kd].reshape(B, T, self.Hk, self.Dk)
+        v = mixed[..., 2 * kd:].reshape(B, T, self.Hv, self.Dv)
+        beta = jax.nn.sigmoid(b.astype(jnp.float32))
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
+        if valid is not None:
+            beta, g = beta * valid[..., None], g * valid[..., None]
+        if self.Hv > self.Hk:  # HF's repeat_interleave: value head h reads key head h // (Hv / Hk)
+            q, k = (jnp.repeat(t, self.Hv // self.Hk, axis=2) for t in (q, k))
+        if T == 1:
+            o, rec = recurrent(q, k, v, g, beta, state.recurrent)
+        else:
+            o, rec = chunked(q, k, v, g, beta, state.recurrent, chunk=chunk)
+        o = rms_normalize_f32(o, self.eps).astype(dt) * self.norm[...].astype(dt)  # HF's Qwen3_5RMSNormGated
+        o = (o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
+        y = o.reshape(B, T, self.Hv * self.Dv) @ self.out_proj[...].astype(dt)
+        return y, LinearState(conv_state, rec)
+
+
+def rms_normalize_f32(x, eps: float):
+    xf = x.astype(jnp.float32)
+    return xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
