@@ -14,7 +14,7 @@ The order of the jobs alternates between rounds (interleaved); figures are media
 process's own median. Writes one JSON (medians, ratios, peak RSS, every round's raw figures, `lscpu`'s model
 name) and prints a table.
 
-Usage: .venv/bin/python benchmarks/real.py [--rounds 3] [--threads 2] [--ckpt /tmp/smollm2-135m-instruct]
+Usage: .venv/bin/python benchmarks/real.py [--rounds 3] [--only generate] [--threads 2] [--ckpt /tmp/smollm2-135m-instruct]
                                           [--out runs/bench-real] [--json runs/bench-real/real.json]
 """
 
@@ -58,6 +58,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="default: <out>/real.json")
     ap.add_argument("--new-grpo", type=int, default=16, help="completion tokens per GRPO sample")
     ap.add_argument("--steps", type=int, default=4, help="GRPO steps per process (the first is dropped)")
+    ap.add_argument("--only", choices=("all", "generate"), default="all",
+                    help="generate: the two generation jobs only (no GRPO steps)")
     a = ap.parse_args()
     subprocess.run(["bash", os.path.join(ANCHORS, "setup.sh")], check=True)
     subprocess.run(["bash", os.path.join(ANCHORS, "real_model.sh"), a.ckpt], check=True)
@@ -71,6 +73,8 @@ def main() -> int:
         out = os.path.join(a.out, f"round{r}")
         os.makedirs(out, exist_ok=True)
         res = {}
+        if prompt is None and a.only == "generate":
+            prompt = 16
         if prompt is None:  # TRL first: its tokenizer gives the prompt length posttrain's random prompts take
             res["trl_grpo"] = job("trl_grpo", trl, ["--existing", "--ckpt", a.ckpt, "--skip", "dpo", "--prompt", "16",
                                                     *grpo], out, a.threads)
@@ -83,6 +87,8 @@ def main() -> int:
                  ["--ckpt", a.ckpt, "--vocab", str(vocab), "--only-batch", "--reps", "3", *gen]),
                 ("hf_generate", hf, ["--existing", "--ckpt", a.ckpt, "--steps", "2", "--seq", "64", "--reps", "3",
                                      *gen])]
+        if a.only == "generate":
+            jobs = [j for j in jobs if j[0].endswith("generate")]
         for name, script, argv in (jobs if r % 2 else jobs[::-1]):
             if name not in res:
                 res[name] = job(name, script, argv, out, a.threads)
@@ -95,19 +101,21 @@ def main() -> int:
     def rss(name):
         return statistics.median(r[name].get("peak_rss_bytes", 0) for r in rounds) / 2 ** 30
 
-    s = {"trl_grpo_step_s": med("trl_grpo", "grpo_step_s"),
-         "posttrain_grpo_step_s": med("posttrain_grpo_full", "grpo_step_s"),
-         "posttrain_grpo_lora16_step_s": med("posttrain_grpo_lora16", "grpo_step_s"),
-         "hf_gen_tok_s": med("hf_generate", "gen_tok_s"), "posttrain_gen_tok_s": med("posttrain_generate", "gen_tok_s")}
+    s = {"hf_gen_tok_s": med("hf_generate", "gen_tok_s"), "posttrain_gen_tok_s": med("posttrain_generate", "gen_tok_s")}
+    ratios = {"generate_speedup_vs_transformers": s["posttrain_gen_tok_s"] / s["hf_gen_tok_s"]}
+    if a.only == "all":
+        s.update(trl_grpo_step_s=med("trl_grpo", "grpo_step_s"),
+                 posttrain_grpo_step_s=med("posttrain_grpo_full", "grpo_step_s"),
+                 posttrain_grpo_lora16_step_s=med("posttrain_grpo_lora16", "grpo_step_s"))
+        ratios.update(grpo_full_speedup_vs_trl=s["trl_grpo_step_s"] / s["posttrain_grpo_step_s"],
+                      grpo_lora16_speedup_vs_trl=s["trl_grpo_step_s"] / s["posttrain_grpo_lora16_step_s"])
     summary = {
         "cpu": cpu_model(), "threads": a.threads, "rounds": a.rounds, "ckpt": a.ckpt,
         "shapes": {"grpo": {"completions": 8, "num_generations": 4, "prompt_tokens": prompt,
                             "completion_tokens": a.new_grpo},
                    "generate": {"batch": 8, "prompt": 64, "new": 128, "greedy": True}},
         "medians": s,
-        "ratios": {"grpo_full_speedup_vs_trl": s["trl_grpo_step_s"] / s["posttrain_grpo_step_s"],
-                   "grpo_lora16_speedup_vs_trl": s["trl_grpo_step_s"] / s["posttrain_grpo_lora16_step_s"],
-                   "generate_speedup_vs_transformers": s["posttrain_gen_tok_s"] / s["hf_gen_tok_s"]},
+        "ratios": ratios,
         "peak_rss_gib": {n: rss(n) for n in rounds[0]},
         "raw": rounds}
     path = a.json or os.path.join(a.out, "real.json")
@@ -115,10 +123,11 @@ def main() -> int:
     with open(path, "w") as fh:
         json.dump(summary, fh, indent=2)
     print(f"\nSmolLM2-135M-Instruct, {a.threads} threads, {summary['cpu']}, medians of {a.rounds} interleaved rounds")
-    print(f"GRPO step (8 = 2 x 4 samples, {prompt} + {a.new_grpo} tokens): TRL {s['trl_grpo_step_s']:.2f} s, "
-          f"posttrain full {s['posttrain_grpo_step_s']:.2f} s "
-          f"({summary['ratios']['grpo_full_speedup_vs_trl']:.2f}x), LoRA 16 {s['posttrain_grpo_lora16_step_s']:.2f} s "
-          f"({summary['ratios']['grpo_lora16_speedup_vs_trl']:.2f}x)")
+    if a.only == "all":
+        print(f"GRPO step (8 = 2 x 4 samples, {prompt} + {a.new_grpo} tokens): TRL {s['trl_grpo_step_s']:.2f} s, "
+              f"posttrain full {s['posttrain_grpo_step_s']:.2f} s "
+              f"({ratios['grpo_full_speedup_vs_trl']:.2f}x), LoRA 16 {s['posttrain_grpo_lora16_step_s']:.2f} s "
+              f"({ratios['grpo_lora16_speedup_vs_trl']:.2f}x)")
     print(f"generate (greedy, 8 x (64 + 128)): transformers {s['hf_gen_tok_s']:.0f} tok/s, posttrain "
           f"{s['posttrain_gen_tok_s']:.0f} tok/s ({summary['ratios']['generate_speedup_vs_transformers']:.2f}x)")
     print("peak RSS (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in summary["peak_rss_gib"].items()))

@@ -181,10 +181,13 @@ class Transformer(nnx.Module):
         proj = self.ple_norm(proj.reshape(B, T, L, P))
         return (proj + ids.reshape(B, T, L, P)) * jnp.asarray(2.0 ** -0.5, dt)
 
-    def unembed(self, h):
-        """Final hidden states [B, T, D] (after the final norm) -> logits [B, T, V]."""
+    def unembed(self, h, head=None):
+        """Final hidden states [B, T, D] (after the final norm) -> logits [B, T, V]. head: the tied embedding
+        transposed [D, V] when the caller keeps one (the sampler, on CPU), else read from the weights."""
         dt = jnp.dtype(self.cfg.dtype)
-        if self.lm_head is None:
+        if head is not None:
+            logits = jnp.einsum("btd,dv->btv", h.astype(dt), head.astype(dt))
+        elif self.lm_head is None:
             logits = jnp.einsum("btd,vd->btv", h.astype(dt), self.embed[...].astype(dt))
         else:
             logits = jnp.einsum("btd,dv->btv", h.astype(dt), self.lm_head[...].astype(dt))
