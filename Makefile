@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml requirements.lock
 demo: $(STAMP) bwrap
 	$(VPY) -m posttrain.cli demo
 
-test: $(STAMP) browser bwrap real-model package lint
+test: $(STAMP) lint browser bwrap real-model package
 	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # The edit loop: the suite without the files conftest.py marks slow (whole training runs, processes,

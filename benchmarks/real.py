@@ -14,7 +14,8 @@ The order of the jobs alternates between rounds (interleaved); figures are media
 process's own median. Writes one JSON (medians, ratios, peak RSS, every round's raw figures, `lscpu`'s model
 name) and prints a table.
 
-Usage: .venv/bin/python benchmarks/real.py [--rounds 3] [--only generate] [--threads 2] [--ckpt /tmp/smollm2-135m-instruct]
+Usage: .venv/bin/python benchmarks/real.py [--rounds 3] [--only generate] [--threads 2]
+                                          [--ckpt /tmp/smollm2-135m-instruct]
                                           [--out runs/bench-real] [--json runs/bench-real/real.json]
 """
 
