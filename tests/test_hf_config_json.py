@@ -26,7 +26,8 @@ def _both(folder, raw=None):
     return config_from_hf(hf), config_from_hf(ours)
 
 
-TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_moe", "mixtral")
+TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_moe", "mixtral",
+         "qwen3_5_text")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -27,7 +27,8 @@ class RopeConfig:
     theta: float = 10_000.0  # base frequency
     kind: str = "default"  # "default" | "linear" | "llama3" | "proportional" (Gemma 4 global layers) | "yarn"
     factor: float = 1.0  # linear / llama3 / proportional scaling factor
-    partial: float = 1.0  # proportional only: share of the head's dimension pairs that rotate (the rest do not)
+    partial: float = 1.0  # share of the head that rotates: proportional (Gemma 4), the first partial * H/2 pairs at
+    #   the full head's frequencies; default (Qwen3.5), the first partial * H dimensions as a head of that size
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position: int = 8192  # llama3 / yarn: pre-training context length
@@ -69,7 +70,7 @@ class ModelConfig:
     attn_softcap: Optional[float] = None  # Gemma 2: tanh soft-capping of attention scores
     final_softcap: Optional[float] = None  # Gemma 2: tanh soft-capping of output logits
     sliding_window: Optional[int] = None  # window (tokens, query included) of sliding layers
-    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding"; () = all full
+    layer_types: tuple[str, ...] = ()  # per layer "full" | "sliding" | "linear" (Gated DeltaNet); () = all full
     rope: RopeConfig = RopeConfig()  # RoPE of full-attention layers
     rope_local: Optional[RopeConfig] = None  # RoPE of sliding layers (Gemma 3); None = `rope`
     dtype: str = "float32"  # compute dtype
@@ -102,6 +103,14 @@ class ModelConfig:
     router_bias: bool = False  # the MoE router has a bias
     expert_bias: bool = False  # each expert's gate/up and down projections have biases
     expert_act: str = "glu"  # "glu": act(gate) * up; "gpt_oss": clamped (7) gate * sigmoid(1.702 gate) * (up + 1)
+    # Qwen3.5 (all off by default; models/qwen3_5.py): Gated DeltaNet layers (layer type "linear",
+    # models/deltanet.py) beside gated full attention
+    attn_output_gate: bool = False  # q projection makes [q | gate] per head; output *= sigmoid(gate) before o
+    linear_key_heads: int = 0  # Gated DeltaNet key heads (q and k)
+    linear_value_heads: int = 0  # Gated DeltaNet value heads (a multiple of linear_key_heads)
+    linear_key_dim: int = 0  # size of a key head
+    linear_value_dim: int = 0  # size of a value head
+    linear_conv_kernel: int = 4  # taps of the causal depthwise convolution over [q | k | v]
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -121,9 +130,15 @@ class ModelConfig:
                     f"model config: layer_types has {len(self.layer_types)} entries for "
                     f"{self.num_layers} layers"
                 )
-            bad = set(self.layer_types) - {"full", "sliding"}
+            bad = set(self.layer_types) - {"full", "sliding", "linear"}
             if bad:
-                raise PosttrainError(f"model config: unknown layer types {sorted(bad)}; use full|sliding")
+                raise PosttrainError(f"model config: unknown layer types {sorted(bad)}; use full|sliding|linear")
+            lin = (self.linear_key_heads, self.linear_value_heads, self.linear_key_dim, self.linear_value_dim,
+                   self.linear_conv_kernel)
+            if "linear" in self.layer_types and (min(lin) <= 0 or self.linear_value_heads % self.linear_key_heads):
+                raise PosttrainError("model config: linear layers need linear_key_heads, linear_value_heads (a "
+                                     "multiple of linear_key_heads), linear_key_dim, linear_value_dim and "
+                                     f"linear_conv_kernel > 0, got {lin}")
             if "sliding" in self.layer_types and not self.sliding_window:
                 raise PosttrainError("model config: sliding layers need sliding_window > 0")
         if self.num_experts < 0:

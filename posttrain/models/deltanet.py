@@ -20,8 +20,8 @@ beta = 0 leave the state unchanged (padding).
 - `GatedDeltaNet`: the whole layer (projections, the causal depthwise convolution, the gated output norm),
   equal to transformers' `Qwen3_5GatedDeltaNet`, with its state (`LinearState`) carried between calls.
 
-What it is not (yet): a layer of posttrain's Transformer (config fields, HF import, the sampler's cache, prefix-
-shared rows for linear layers); issue #36 wires those.
+The Transformer runs it as the token mixer of its "linear" layers (Qwen3.5, models/qwen3_5.py). What it is not
+(yet): prefix-shared rows (each branch would start from the prompt's state; issue #36).
 """
 
 from __future__ import annotations
@@ -66,24 +66,28 @@ def recurrent(q, k, v, g, beta, state: Optional[jax.Array] = None, *, normalize:
     return jnp.moveaxis(o, 0, 1).astype(dt), s
 
 
-def chunked(q, k, v, g, beta, state: Optional[jax.Array] = None, *, chunk: int = 64, normalize: bool = True):
-    """The gated delta rule in chunks of `chunk` tokens (see the module docstring)."""
+def chunked(q, k, v, g, beta, state: Optional[jax.Array] = None, *, chunk: int = 64, normalize: bool = True,
+            resets=None):
+    """The gated delta rule in chunks of `chunk` tokens (see the module docstring). resets [B, T] bool or None:
+    tokens that start a new sequence (packed segments): the state before them is dropped, as if it were zero."""
     dt = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, normalize)
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     C = chunk
     pad = -T % C
+    r = jnp.zeros((B, T, H), jnp.int32) if resets is None else jnp.broadcast_to(
+        resets.astype(jnp.int32)[..., None], (B, T, H))
     if pad:  # padded tokens: g = 0, beta = 0, k = 0: the state passes through unchanged
         q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
-        g, beta = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta))
+        g, beta, r = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (g, beta, r))
     n = (T + pad) // C
 
     def split(x):  # [B, T, H, ...] -> [n, B, H, C, ...]
         x = x.reshape((B, n, C, H) + x.shape[3:])
         return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
 
-    qc, kc, vc, gc, bc = (split(x) for x in (q, k, v, g, beta))
+    qc, kc, vc, gc, bc, rc = (split(x) for x in (q, k, v, g, beta, r))
     s0 = jnp.zeros((B, H, Dk, Dv), v.dtype) if state is None else state.astype(v.dtype)
     lower = jnp.tril(jnp.ones((C, C), bool))
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
@@ -91,24 +95,31 @@ def chunked(q, k, v, g, beta, state: Optional[jax.Array] = None, *, chunk: int =
 
     @jax.checkpoint
     def body(s, x):
-        qi, ki, vi, gi, bi = x  # [B, H, C, ...]
+        qi, ki, vi, gi, bi, ri = x  # [B, H, C, ...]
         gi = jnp.cumsum(gi, axis=-1)  # log decay from the chunk start, inclusive
-        decay = jnp.where(lower, jnp.exp(jnp.where(lower, gi[..., :, None] - gi[..., None, :], 0.0)), 0.0)
+        # packed segments: token j reaches token i only within one segment; the carried state reaches the
+        # tokens before the chunk's first reset (`fresh`); the next state holds the chunk's last segment only
+        seg = jnp.cumsum(ri, axis=-1)  # [B, H, C] segment number inside the chunk
+        same = seg[..., :, None] == seg[..., None, :]
+        fresh = (seg == 0).astype(s.dtype)[..., None]
+        tail = (seg == seg[..., -1:]).astype(s.dtype)[..., None]
+        keep = (seg[..., -1] == 0).astype(s.dtype)
+        decay = jnp.where(lower & same, jnp.exp(jnp.where(lower, gi[..., :, None] - gi[..., None, :], 0.0)), 0.0)
         kb = ki * bi[..., None]
         low = jnp.where(strict, jnp.einsum("bhik,bhjk->bhij", kb, ki) * decay, 0.0)
         # (I + L)^-1 applied to [beta v | beta k exp(g)]: the chunk's C delta-rule updates at once
-        rhs = jnp.concatenate([vi * bi[..., None], kb * jnp.exp(gi)[..., None]], axis=-1)
+        rhs = jnp.concatenate([vi * bi[..., None], kb * jnp.exp(gi)[..., None] * fresh], axis=-1)
         solved = jax.scipy.linalg.solve_triangular(eye + low, rhs, lower=True, unit_diagonal=True)
         u, w = solved[..., :Dv], solved[..., Dv:]
         v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s)
         attn = jnp.where(lower, jnp.einsum("bhik,bhjk->bhij", qi, ki) * decay, 0.0)
-        out = jnp.einsum("bhck,bhkv->bhcv", qi * jnp.exp(gi)[..., None], s) + attn @ v_new
+        out = jnp.einsum("bhck,bhkv->bhcv", qi * jnp.exp(gi)[..., None] * fresh, s) + attn @ v_new
         last = gi[..., -1]
-        s = s * jnp.exp(last)[..., None, None] + jnp.einsum(
-            "bhck,bhcv->bhkv", ki * jnp.exp(last[..., None] - gi)[..., None], v_new)
+        s = s * (jnp.exp(last) * keep)[..., None, None] + jnp.einsum(
+            "bhck,bhcv->bhkv", ki * jnp.exp(last[..., None] - gi)[..., None] * tail, v_new)
         return s, out
 
-    s, o = jax.lax.scan(body, s0, (qc, kc, vc, gc, bc))  # o [n, B, H, C, Dv]
+    s, o = jax.lax.scan(body, s0, (qc, kc, vc, gc, bc, rc))  # o [n, B, H, C, Dv]
     o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, n * C, H, Dv)[:, :T]
     return o.astype(dt), s
 
@@ -120,14 +131,20 @@ class LinearState(NamedTuple):
     recurrent: jax.Array
 
 
-def causal_conv(x, weight, past):
+def causal_conv(x, weight, past, segments=None):
     """Depthwise causal convolution over time: x [B, T, C], weight [C, K] (HF `conv1d.weight[:, 0]`),
     past [B, K - 1, C] (the inputs before x; zeros at a sequence start). y_t = sum_j w_j x_{t - K + 1 + j}.
-    Returns (y [B, T, C], the last K - 1 inputs)."""
+    segments [B, T] int or None: packed sequences; a tap reads only inputs of the token's own segment (past
+    inputs belong to none). Returns (y [B, T, C], the last K - 1 inputs)."""
     K = weight.shape[1]
     full = jnp.concatenate([past.astype(x.dtype), x], axis=1)  # [B, K - 1 + T, C]
     T = x.shape[1]
-    y = sum(full[:, j:j + T] * weight[:, j].astype(x.dtype) for j in range(K))
+    if segments is None:
+        y = sum(full[:, j:j + T] * weight[:, j].astype(x.dtype) for j in range(K))
+    else:
+        seg = jnp.concatenate([jnp.full((x.shape[0], K - 1), -1, segments.dtype), segments], axis=1)
+        y = sum(full[:, j:j + T] * weight[:, j].astype(x.dtype)
+                * (seg[:, j:j + T] == segments)[..., None].astype(x.dtype) for j in range(K))
     return y, full[:, full.shape[1] - (K - 1):]
 
 
@@ -168,11 +185,12 @@ class GatedDeltaNet(nnx.Module):
         return LinearState(jnp.zeros((batch, self.K - 1, self.channels), self.dtype),
                            jnp.zeros((batch, self.Hv, self.Dk, self.Dv), jnp.float32))
 
-    def __call__(self, x, state: Optional[LinearState] = None, valid=None, *, chunk: int = 64):
+    def __call__(self, x, state: Optional[LinearState] = None, valid=None, segments=None, *, chunk: int = 64):
         """x [B, T, D] -> (y [B, T, D], the state after the last token). state: carried in (a cache), else a
         sequence start. valid [B, T] bool: padding tokens (False) enter as zeros (as HF's padding mask) and
-        leave the delta-rule state unchanged, so left padding is exact. One token uses the recurrent form,
-        more the chunked one."""
+        leave the delta-rule state unchanged, so left padding is exact. segments [B, T] int or None: packed
+        sequences (without a carried state); each starts from a zero state and convolution. One token uses the
+        recurrent form, more the chunked one."""
         dt = self.dtype
         B, T, _ = x.shape
         state = self.init_state(B) if state is None else state
@@ -183,7 +201,7 @@ class GatedDeltaNet(nnx.Module):
         z = (x @ self.in_proj_z[...].astype(dt)).reshape(B, T, self.Hv, self.Dv)
         b = x @ self.in_proj_b[...].astype(dt)
         a = x @ self.in_proj_a[...].astype(dt)
-        mixed, conv_state = causal_conv(mixed, self.conv[...], state.conv)
+        mixed, conv_state = causal_conv(mixed, self.conv[...], state.conv, segments)
         mixed = jax.nn.silu(mixed)
         kd = self.Hk * self.Dk
         q = mixed[..., :kd].reshape(B, T, self.Hk, self.Dk)
@@ -199,7 +217,9 @@ class GatedDeltaNet(nnx.Module):
         if T == 1:
             o, rec = recurrent(q, k, v, g, beta, state.recurrent)
         else:
-            o, rec = chunked(q, k, v, g, beta, state.recurrent, chunk=chunk)
+            resets = None if segments is None else jnp.concatenate(
+                [jnp.zeros((B, 1), bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+            o, rec = chunked(q, k, v, g, beta, state.recurrent, chunk=chunk, resets=resets)
         o = rms_normalize_f32(o, self.eps).astype(dt) * self.norm[...].astype(dt)  # HF's Qwen3_5RMSNormGated
         o = (o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
         y = o.reshape(B, T, self.Hv * self.Dv) @ self.out_proj[...].astype(dt)

@@ -43,7 +43,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from posttrain.errors import PosttrainError
-from posttrain.models import gemma4
+from posttrain.models import gemma4, qwen3_5
 from posttrain.models.config import ModelConfig
 
 # config_from_hf and config_to_hf are re-exported: `from posttrain.models.hf import config_from_hf` keeps working
@@ -136,6 +136,16 @@ def _attn_map(m: dict, cfg: ModelConfig, i: int, a: str) -> None:
     G = cfg.num_heads // K
     c = cfg.layer_kv_slots(i)
     L = ("layers", i, "attn")
+    if cfg.attn_output_gate:  # Qwen3.5: q_proj makes [q | gate] per query head; here G query then G gate slots
+        m[L + ("qkv",)] = (
+            [a + n + "_proj.weight" for n in "qkv"[:1 + c]],
+            lambda q, *kv: np.concatenate([q.T.reshape(D, K, G, 2, H)[:, :, :, 0], q.T.reshape(D, K, G, 2, H)[
+                :, :, :, 1]] + [w.T.reshape(D, K, 1, H) for w in kv], axis=2),
+            lambda w: [np.stack([w[:, :, :G], w[:, :, G:2 * G]], axis=3).reshape(D, K * G * 2 * H).T]
+            + [w[:, :, 2 * G + j].reshape(D, K * H).T for j in range(c)])
+        m[L + ("o",)] = ([a + "o_proj.weight"], lambda w: w.T.reshape(K, G, H, D),
+                         lambda w: [w.reshape(K * G * H, D).T])
+        return
     m[L + ("qkv",)] = (
         [a + n + "_proj.weight" for n in "qkv"[:1 + c]],
         lambda q, *kv: np.concatenate([q.T.reshape(D, K, G, H)] + [w.T.reshape(D, K, 1, H) for w in kv], axis=2),
@@ -167,8 +177,9 @@ def weight_map(cfg: ModelConfig, head: Optional[str] = None,
     for i in range(cfg.num_layers):
         p = f"{prefix}layers.{i}."
         a = p + "self_attn."
-        _attn_map(m, cfg, i, a)
-        if cfg.qk_norm:
+        if cfg.layer_type(i) != "linear":  # a Gated DeltaNet layer: qwen3_5.weight_names below
+            _attn_map(m, cfg, i, a)
+        if cfg.qk_norm and cfg.layer_type(i) != "linear":
             m[("layers", i, "attn", "q_norm", "scale")] = ([a + "q_norm.weight"], *ident)
             if cfg.kv_source(i) is None:  # a KV-shared layer has no k
                 m[("layers", i, "attn", "k_norm", "scale")] = ([a + "k_norm.weight"], *ident)
@@ -187,6 +198,7 @@ def weight_map(cfg: ModelConfig, head: Optional[str] = None,
         else:
             m[("layers", i, "mlp_norm", "scale")] = ([p + "post_attention_layernorm.weight"], *ident)
     gemma4.weight_names(m, cfg, prefix)
+    qwen3_5.weight_names(m, cfg, prefix)
     return m
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Optional
 
 from posttrain.errors import PosttrainError
-from posttrain.models import gemma4
+from posttrain.models import gemma4, qwen3_5
 from posttrain.models.config import ModelConfig, RopeConfig
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_moe",
-             "mixtral", "gpt_oss")
+             "mixtral", "gpt_oss", "qwen3_5_text")
 MOE = ("qwen3_moe", "mixtral", "gpt_oss")  # mixture-of-experts families (models/moe.py)
 
 # ----------------------------------------------------------------------------- config
@@ -63,6 +63,7 @@ _DEFAULTS = {
                     num_attention_heads=64, num_key_value_heads=8, sliding_window=128, max_position_embeddings=131072,
                     rms_norm_eps=1e-5, num_experts_per_tok=4, num_local_experts=128, router_aux_loss_coef=0.001,
                     attention_bias=True),
+    qwen3_5.MODEL_TYPE: qwen3_5.DEFAULTS,
 }
 # transformers' default_theta (10 000 for the rest; Gemma 3 below)
 _DEFAULT_THETA = {"mixtral": 1_000_000.0, "gpt_oss": 150_000.0}
@@ -98,6 +99,8 @@ def _post_init(d: dict, mt: str) -> None:
     if d.get("num_key_value_heads") is None:
         d["num_key_value_heads"] = d["num_attention_heads"]
     L = d["num_hidden_layers"]
+    if mt == qwen3_5.MODEL_TYPE:
+        qwen3_5.post_init(d)
     if mt in ("qwen2", "qwen3", "qwen3_moe"):
         d["sliding_window"] = d.get("sliding_window") if d.get("use_sliding_window") else None
     if mt in ("qwen2", "qwen3") and d.get("layer_types") is None:
@@ -185,12 +188,12 @@ def read_hf_config(raw: dict, where: str = "config.json"):
 
 
 
-def _rope(d: Optional[dict], default_theta: float = 10_000.0) -> RopeConfig:
+def _rope(d: Optional[dict], default_theta: float = 10_000.0, partial: float = 1.0) -> RopeConfig:
     d = dict(d or {})
     kind = d.get("rope_type", d.get("type", "default")) or "default"
     theta = d.get("rope_theta") or default_theta
-    if kind == "default":
-        return RopeConfig(theta=theta)
+    if kind == "default":  # a partial rotary factor only where the family applies it (Qwen3.5: partial=...)
+        return RopeConfig(theta=theta, partial=partial)
     if kind == "linear":
         return RopeConfig(theta=theta, kind="linear", factor=float(d["factor"]))
     if kind == "llama3":
@@ -237,6 +240,8 @@ def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
     if mt in ("gemma3_text", "gemma4_text"):
         kw["rope"] = _rope(rp.get("full_attention"))
         kw["rope_local"] = _rope(rp.get("sliding_attention"))
+    elif mt == qwen3_5.MODEL_TYPE:
+        kw["rope"] = _rope(rp, partial=float(rp.get("partial_rotary_factor", 1.0)))
     else:
         kw["rope"] = _rope(rp)
     act = getattr(hf, "hidden_activation", None) or getattr(hf, "hidden_act", "silu")
@@ -253,6 +258,8 @@ def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
     if mt == "gpt_oss":
         kw.update(o_bias=bool(hf.attention_bias), attn_sinks=True)
     kw["qk_norm"] = mt in ("qwen3", "gemma3_text", "gemma4_text", "qwen3_moe")
+    if mt == qwen3_5.MODEL_TYPE:
+        kw.update(qwen3_5.config_fields(hf, where))
     if mt in MOE:
         kw.update(_moe_from_hf(hf, mt, where))
     if mt == "gemma4_text":
@@ -303,7 +310,7 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
         d = {"rope_type": r.kind, "rope_theta": r.theta}
         if r.kind == "linear" or (r.kind == "proportional" and r.factor != 1.0):
             d["factor"] = r.factor
-        if r.kind == "proportional":
+        if r.kind == "proportional" or r.partial != 1.0:
             d["partial_rotary_factor"] = r.partial
         if r.kind == "yarn":
             d.update(factor=r.factor, beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate,
@@ -343,6 +350,8 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
     if cfg.layer_types or mt in ("qwen2", "qwen3", "gemma2", "gemma3_text", "gemma4_text"):
         d["layer_types"] = [("sliding_attention" if cfg.layer_type(i) == "sliding" else "full_attention")
                             for i in range(cfg.num_layers)]
+    if mt == qwen3_5.MODEL_TYPE:
+        qwen3_5.config_to_hf(cfg, d)
     d["dtype"] = cfg.param_dtype
     d.update(extra)
     return d
@@ -375,7 +384,7 @@ def _moe_to_hf(cfg: ModelConfig, mt: str) -> dict:
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
          "gemma3_text": "Gemma3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-         "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+         "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
 # transformers' sequence-classification class of each family (gemma3_text: the text-only one).
 CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
             "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
@@ -386,4 +395,4 @@ CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenc
 
 def text_type(family: str) -> str:
     """The transformers model_type of a family (Gemma 3 and 4 export their text-only model types)."""
-    return {"gemma3": "gemma3_text", "gemma4": "gemma4_text"}.get(family, family)
+    return {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}.get(family, family)

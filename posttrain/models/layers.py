@@ -112,8 +112,16 @@ def rope_scale(rope: RopeConfig) -> float:
     return 1.0 if rope.factor <= 1 else 0.1 * math.log(rope.factor) + 1.0
 
 
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """How many of a head's H dimensions rotate: H, or partial * H for a partial default RoPE (Qwen3.5: the first
+    partial * H dimensions rotate as a head of that size, the rest pass through)."""
+    return int(head_dim * rope.partial) if rope.kind != "proportional" and rope.partial < 1 else head_dim
+
+
 def rope_cos_sin(positions, rope: RopeConfig, head_dim: int):
-    """(cos, sin), each [B, T, H] float32, for positions [B, T] int (shared by every layer using `rope`)."""
+    """(cos, sin), each [B, T, R] float32 (R = `rotary_dim`, H unless partial), for positions [B, T] int (shared
+    by every layer using `rope`)."""
+    head_dim = rotary_dim(rope, head_dim)
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(rope, head_dim))  # [B, T, H/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     scale = rope_scale(rope)
@@ -123,8 +131,12 @@ def rope_cos_sin(positions, rope: RopeConfig, head_dim: int):
 
 
 def apply_rope(x, cos_sin):
-    """Rotate-half RoPE. x: [B, T, ..., H]; cos_sin: from `rope_cos_sin`, each [B, T, H]."""
+    """Rotate-half RoPE. x: [B, T, ..., H]; cos_sin: from `rope_cos_sin`, each [B, T, R]: R < H rotates the first
+    R dimensions (rotate-half within them) and passes the rest through."""
     cos, sin = cos_sin
+    if cos.shape[-1] < x.shape[-1]:
+        r = cos.shape[-1]
+        return jnp.concatenate([apply_rope(x[..., :r], cos_sin), x[..., r:]], axis=-1)
     extra = x.ndim - 3  # head axes between T and H
     cos = cos.reshape(cos.shape[:2] + (1,) * extra + cos.shape[-1:])
     sin = sin.reshape(sin.shape[:2] + (1,) * extra + sin.shape[-1:])
@@ -179,7 +191,8 @@ class Attention(nnx.Module):
         self.kv_slots = cfg.layer_kv_slots(layer)
         pd = jnp.dtype(cfg.param_dtype)
         init = nnx.initializers.normal(0.02)
-        C = G + self.kv_slots
+        self.gated = cfg.attn_output_gate  # Qwen3.5: G more query-sized slots, the output gate
+        C = G * (2 if self.gated else 1) + self.kv_slots
         self.qkv = param(init(rngs.params(), (D, K, C, H), pd), ("embed", "kv_heads", None, "head_dim"))
         self.qkv_bias = param(jnp.zeros((K, C, H), pd), ("kv_heads", None, "head_dim")) if cfg.qkv_bias else None
         self.o = param(init(rngs.params(), (K, G, H, D), pd), ("kv_heads", None, "head_dim", "embed"))
@@ -211,7 +224,10 @@ class Attention(nnx.Module):
             qkv = qkv + d
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias[...].astype(dt)
-        q, *kv_new = split(qkv, 3, (G,) + (1,) * self.kv_slots)  # q [B,T,K,G,H]
+        if self.gated:
+            q, gate, *kv_new = split(qkv, 3, (G, G) + (1,) * self.kv_slots)  # q, gate [B,T,K,G,H]
+        else:
+            q, *kv_new = split(qkv, 3, (G,) + (1,) * self.kv_slots)  # q [B,T,K,G,H]
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = constrain(apply_rope(q, rope), ("batch", "seq", "kv_heads", None, "head_dim"))
@@ -234,6 +250,8 @@ class Attention(nnx.Module):
             (k, v), kv = shared, None
         out, probs = attention(q, k, v, layout, window=self.window, scale=self.scale, cap=self.attn_softcap,
                                return_probs=return_attn, sinks=None if self.sinks is None else self.sinks[...])
+        if self.gated:
+            out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         b, t = out.shape[:2]  # one 2-D matmul: lets XLA keep the weight's layout (no per-call transpose)
         o = self.o[...].astype(dt)
         y = out.reshape(b, t, -1) @ o.reshape(-1, o.shape[-1])

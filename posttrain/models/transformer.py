@@ -31,6 +31,7 @@ from flax import nnx
 from posttrain.models import moe
 from posttrain.models.attention import Layout, softcap
 from posttrain.models.config import ModelConfig
+from posttrain.models.deltanet import GatedDeltaNet, LinearState
 from posttrain.models.layers import MLP, Attention, Buffer, RMSNorm, rope_cos_sin
 from posttrain.models.moe import MoE
 from posttrain.sharding import constrain, param
@@ -48,7 +49,13 @@ class Block(nnx.Module):
         norm = dict(eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset, param_dtype=pd)
         D, P = cfg.embed_dim, cfg.per_layer_dim
         self.attn_norm = RMSNorm(D, **norm)
-        self.attn = Attention(cfg, layer, rngs=rngs)
+        # the token mixer: attention, or a Gated DeltaNet on Qwen3.5's "linear" layers (models/deltanet.py)
+        linear = cfg.layer_type(layer) == "linear"
+        self.attn = None if linear else Attention(cfg, layer, rngs=rngs)
+        self.linear = GatedDeltaNet(
+            D, key_heads=cfg.linear_key_heads, value_heads=cfg.linear_value_heads, key_dim=cfg.linear_key_dim,
+            value_dim=cfg.linear_value_dim, kernel=cfg.linear_conv_kernel, eps=cfg.norm_eps, param_dtype=pd,
+            dtype=cfg.dtype, rngs=rngs) if linear else None
         self.mlp_norm = RMSNorm(D, **norm)
         routed = cfg.is_moe_layer(layer)
         self.routed = routed  # an MoE layer (its own or beside the dense MLP): takes `routes`
@@ -78,9 +85,18 @@ class Block(nnx.Module):
                  per_layer_input=None, routes=None):
         """Returns (x, kv, attention probabilities or None, router logits [B, T, E] or None: dense MLP).
 
+        kv: this layer's cache: (k, v), or a linear layer's `LinearState`; returned updated (without a cache:
+        the keys and values attended, or the linear state after the last token).
         shared_kv: the source layer's (k, v) for a KV-shared layer; per_layer_input [B, T, P] (Gemma 4);
         routes [B, T, k]: the experts to replay in this layer's MoE (routing replay)."""
-        h, kv, attn = self.attn(self.attn_norm(x), rope, layout, kv, write_index, return_attn, shared_kv)
+        if self.linear is not None:
+            if layout.q_branch is not None:
+                raise NotImplementedError("prefix-shared rows (branch ids) on Gated DeltaNet layers are not "
+                                          "supported yet; set the trainer's shared-prefix option off")
+            h, kv = self.linear(self.attn_norm(x), kv, valid=layout.q_pos >= 0, segments=layout.q_seg)
+            attn = None
+        else:
+            h, kv, attn = self.attn(self.attn_norm(x), rope, layout, kv, write_index, return_attn, shared_kv)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
@@ -109,7 +125,8 @@ class Block(nnx.Module):
 @dataclasses.dataclass
 class KVCache:
     """Keys and values of every layer with its own (`cfg.cache_layers`), [B, K, S, H] each (K and H of
-    that layer), plus slot bookkeeping.
+    that layer; empty [B, 0, S, 0] on a Gated DeltaNet layer, whose `LinearState` is in `linear`), plus slot
+    bookkeeping.
 
     pos [B, S] int32: the position of the token in each slot, -1 for an empty or padding slot.
     index: scalar int32, the next slot to write (the same for every row: prompts are left-padded).
@@ -121,13 +138,20 @@ class KVCache:
     pos: jax.Array
     index: jax.Array
     branch: Optional[jax.Array] = None
+    linear: tuple = ()  # per cache layer: its LinearState (conv inputs, delta-rule state) or None (attention)
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, size: int, dtype=None) -> "KVCache":
         dtype = jnp.dtype(dtype or cfg.dtype)
-        shapes = [(batch, cfg.layer_kv_heads(i), size, cfg.layer_head_dim(i)) for i in range(cfg.cache_layers)]
+        lin = [cfg.layer_type(i) == "linear" for i in range(cfg.cache_layers)]
+        shapes = [(batch, 0, size, 0) if lin[i] else (batch, cfg.layer_kv_heads(i), size, cfg.layer_head_dim(i))
+                  for i in range(cfg.cache_layers)]
+        conv = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim
+        states = tuple(LinearState(jnp.zeros((batch, cfg.linear_conv_kernel - 1, conv), dtype), jnp.zeros(
+            (batch, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim), jnp.float32)) if x else None
+            for x in lin) if any(lin) else ()
         return cls(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes),
-                   jnp.full((batch, size), -1, jnp.int32), jnp.zeros((), jnp.int32))
+                   jnp.full((batch, size), -1, jnp.int32), jnp.zeros((), jnp.int32), linear=states)
 
     @property
     def size(self) -> int:
@@ -257,7 +281,10 @@ class Transformer(nnx.Module):
             src = self.cfg.kv_source(i)
             shared = None if src is None else kvs[src]  # a KV-shared layer attends its source's keys and values
             ple = None if per_layer is None else per_layer[:, :, i]
-            kv = None if cache is None or src is not None else (cache.k[i], cache.v[i])
+            if cache is None or src is not None:
+                kv = None
+            else:
+                kv = cache.linear[i] if blk.linear is not None else (cache.k[i], cache.v[i])
             if self.cfg.remat and cache is None and i not in want:  # keep only each layer's input for the backward
                 x, kv, attn, router = nnx.remat(lambda b, h, r, m, s, p, q: b(h, r, m, shared_kv=s, per_layer_input=p,
                                                                             routes=q))(
@@ -274,9 +301,13 @@ class Transformer(nnx.Module):
             moe.sow_router(self, routers, real_pos >= 0)
         x = self.final_norm(x)
         hidden[-1] = x
-        own = kvs[:self.cfg.cache_layers]
-        new_cache = None if cache is None else KVCache(tuple(k for k, _ in own), tuple(v for _, v in own), k_pos,
-                                                       cache.index + T, k_branch)
+        new_cache = None
+        if cache is not None:
+            n = self.cfg.cache_layers
+            own = [(cache.k[i], cache.v[i]) if isinstance(kv, LinearState) else kv for i, kv in enumerate(kvs[:n])]
+            linear = tuple(kv if isinstance(kv, LinearState) else None for kv in kvs[:n]) if cache.linear else ()
+            new_cache = KVCache(tuple(k for k, _ in own), tuple(v for _, v in own), k_pos, cache.index + T,
+                                k_branch, linear)
         return ModelOutput(
             logits=self.unembed(x) if return_logits else None,
             cache=new_cache,

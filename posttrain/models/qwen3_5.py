@@ -1,0 +1,80 @@
+"""Qwen3.5 text (transformers `qwen3_5_text`, `Qwen3_5ForCausalLM`): config fields both ways and the Hugging Face
+names of its linear-attention layers. A family module, not a model: the one Transformer runs it.
+
+What Qwen3.5 text is, per transformers 5.12 `models/qwen3_5/modeling_qwen3_5.py` (each a ModelConfig field):
+  - hybrid layers (`layer_types`): "linear_attention" layers are Gated DeltaNet (`models/deltanet.py`: its own
+    key / value heads and sizes, a causal depthwise convolution of `linear_conv_kernel_dim` taps), every
+    `full_attention_interval`-th layer (default 4) is full attention;
+  - full attention with an output gate (`attn_output_gate`): q_proj makes [q | gate] per head, the attention
+    output is multiplied by sigmoid(gate) before o_proj; q and k RMSNorms;
+  - RoPE on the first `partial_rotary_factor` (default 0.25) of each head's dimensions (rotate-half within them);
+    text positions only (the vision model's interleaved M-RoPE reduces to this when every axis has the same
+    position);
+  - every RMSNorm scales by (1 + w) except the linear layers' gated output norm (w).
+
+What it is not: the vision tower of a `qwen3_5` folder, Qwen3.5-MoE (`qwen3_5_moe`), Qwen3-Next.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from posttrain.errors import PosttrainError
+from posttrain.models.config import ModelConfig
+
+MODEL_TYPE = "qwen3_5_text"
+DEFAULTS = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                num_attention_heads=16, num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
+                linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                linear_num_key_heads=16, linear_num_value_heads=32, full_attention_interval=4)
+
+
+def post_init(d: dict) -> None:
+    """Qwen3_5TextConfig.__post_init__: layer types from full_attention_interval; partial rotary 0.25."""
+    if d.get("layer_types") is None:
+        every = d.get("full_attention_interval") or 4
+        d["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention"
+                            for i in range(d["num_hidden_layers"])]
+    rp = dict(d.get("rope_parameters") or {})
+    rp.setdefault("rope_type", "default")
+    rp.setdefault("rope_theta", d.get("rope_theta") or 10_000.0)
+    rp.setdefault("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
+    d["rope_parameters"] = rp
+
+
+def config_fields(hf, where: str) -> dict:
+    """The Qwen3.5 ModelConfig fields of a transformers Qwen3_5TextConfig (the rest are hf_config's common ones)."""
+    if getattr(hf, "attention_dropout", 0.0):
+        raise PosttrainError(f"{where}: attention_dropout = {hf.attention_dropout} is not supported; set it to 0")
+    bad = sorted(set(hf.layer_types) - {"linear_attention", "full_attention"})
+    if bad:
+        raise PosttrainError(f"{where}: layer_types {bad} are not supported (linear_attention, full_attention are)")
+    return dict(norm_unit_offset=True, qk_norm=True, attn_output_gate=True,
+                layer_types=tuple("linear" if t == "linear_attention" else "full" for t in hf.layer_types),
+                linear_key_heads=hf.linear_num_key_heads, linear_value_heads=hf.linear_num_value_heads,
+                linear_key_dim=hf.linear_key_head_dim, linear_value_dim=hf.linear_value_head_dim,
+                linear_conv_kernel=hf.linear_conv_kernel_dim)
+
+
+def config_to_hf(cfg: ModelConfig, d: dict) -> None:
+    """The Qwen3.5 fields of an exported config.json (into d)."""
+    d.update(linear_num_key_heads=cfg.linear_key_heads, linear_num_value_heads=cfg.linear_value_heads,
+             linear_key_head_dim=cfg.linear_key_dim, linear_value_head_dim=cfg.linear_value_dim,
+             linear_conv_kernel_dim=cfg.linear_conv_kernel, attention_bias=False,
+             layer_types=["linear_attention" if cfg.layer_type(i) == "linear" else "full_attention"
+                          for i in range(cfg.num_layers)])
+
+
+def weight_names(m: dict, cfg: ModelConfig, prefix: str) -> None:
+    """posttrain path -> (HF keys, load, save) for each linear-attention layer's Gated DeltaNet (HF Linear weights
+    are [out, in], ours [in, out]; conv1d.weight [C, 1, K] is kept as [C, K])."""
+    for i in range(cfg.num_layers):
+        if cfg.layer_type(i) != "linear":
+            continue
+        p, L = f"{prefix}layers.{i}.linear_attn.", ("layers", i, "linear")
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+            m[L + (name,)] = ([p + name + ".weight"], lambda w: w.T, lambda w: [w.T])
+        m[L + ("conv",)] = ([p + "conv1d.weight"], lambda w: w[:, 0], lambda w: [np.asarray(w)[:, None]])
+        for name in ("dt_bias", "A_log"):
+            m[L + (name,)] = ([p + name], lambda w: w, lambda w: [w])
+        m[L + ("norm",)] = ([p + "norm.weight"], lambda w: w, lambda w: [w])
