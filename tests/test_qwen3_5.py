@@ -34,6 +34,8 @@ def ckpt(tmp_path_factory):
                 p.normal_(0.0, 0.5)
             elif "dt_bias" in name:
                 p.add_(0.5 * torch.randn_like(p))
+            elif "A_log" in name:  # mild decay (HF draws A up to 16: the state would be forgotten at once)
+                p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
     path = os.fspath(tmp_path_factory.mktemp("qwen3_5") / "hf")
     model.save_pretrained(path)
     return path
@@ -124,3 +126,59 @@ def test_export_round_trip_loads_in_transformers(ckpt, tmp_path):
     path = save_pretrained(from_pretrained(ckpt), str(tmp_path / "export"))
     hf_export, hf_src = _hf(path), _hf(ckpt)
     assert _diff(_hf_logits(hf_export, toks, mask, pos), _hf_logits(hf_src, toks, mask, pos), lens) <= 1e-5
+
+
+@pytest.mark.parametrize("chunk", [64, 8])  # 8: branches start inside chunks, several in one chunk
+def test_prefix_shared_rows_equal_unshared_rows_logps_and_gradients(ckpt, chunk, monkeypatch):
+    """Per-token log-probs and the weight gradients of a DPO / GRPO shaped objective: a prefix-shared row
+    [prompt | c1 | c2 | c3] against three unshared rows, <= 1e-5: every branch of a linear layer starts from the
+    prompt's state and convolution inputs, never a sibling's."""
+    from flax import nnx
+    from test_branches import _groups, _shared_batch, _unshared_batch
+
+    from posttrain.losses.logps import branch_logps
+    from posttrain.models import deltanet
+
+    monkeypatch.setattr(deltanet, "CHUNK", chunk)
+    graphdef, params = nnx.split(from_pretrained(ckpt))
+    groups = _groups(1)
+    shared, unshared = _shared_batch(groups), _unshared_batch(groups)
+    # the reference rows [prompt | ci] without branch ids: the linear layers' plain path, not the branched one
+    unshared = dict(unshared, branch_ids=jnp.zeros_like(unshared["branch_ids"]))
+    logps = jax.jit(lambda p, b, k: branch_logps(nnx.merge(graphdef, p), b, k)[0], static_argnums=2)
+    tok_s, tok_u = logps(params, shared, 3), logps(params, unshared, 1)
+    for g, (_, conts) in enumerate(groups):
+        off = 0
+        for i, c in enumerate(conts):
+            np.testing.assert_allclose(np.asarray(tok_s)[g, off:off + len(c)], np.asarray(tok_u)[g * 3 + i, :len(c)],
+                                       atol=1e-5, rtol=0)
+            off += len(c)
+    n_tokens = sum(len(c) for _, conts in groups for c in conts)
+    coef = jnp.asarray([[1.0, -0.5, 2.0], [0.3, 1.5, -1.0]]) / n_tokens
+    g_s = jax.jit(jax.grad(lambda p: jnp.sum(branch_logps(nnx.merge(graphdef, p), shared, 3)[1] * coef)))(params)
+    g_u = jax.jit(jax.grad(lambda p: jnp.sum(branch_logps(nnx.merge(graphdef, p), unshared, 1)[1][:, 0]
+                                             * coef.reshape(-1))))(params)
+    flat_s, flat_u = dict(nnx.to_flat_state(g_s)), dict(nnx.to_flat_state(g_u))
+    linear = [k for k in flat_s if "linear" in k]
+    assert linear and all(float(jnp.abs(flat_s[k][...]).max()) > 1e-4 for k in linear)  # every linear part learns
+    for k in flat_s:
+        np.testing.assert_allclose(np.asarray(flat_s[k][...]), np.asarray(flat_u[k][...]), atol=1e-5, rtol=0,
+                                   err_msg=str(k))
+
+
+def test_sampler_logprobs_equal_the_trainer_forward(ckpt):
+    """Sampled at temperature 1 (n = 2, group prefill: the prompt's linear states repeated), 70 tokens each (past a
+    64-token chunk): the sampler's log-probs equal log_softmax of one training forward over the same tokens,
+    <= 1e-5 (what RL relies on)."""
+    from flax import nnx
+
+    sampler = Sampler(from_pretrained(ckpt), max_len=128)
+    prompts = [np.random.default_rng(5).integers(3, V, n).tolist() for n in (9, 13)]
+    out = sampler.generate(prompts, SamplingParams(max_new_tokens=70, temperature=1.0, n=2), key=jax.random.key(3))
+    forward = jax.jit(lambda st, x: nnx.merge(sampler.graphdef, st)(x, jnp.arange(x.shape[1])[None]).logits[0])
+    for r in range(len(out.lengths)):
+        p = prompts[out.prompt_index[r]]
+        seq = np.array(p + out.tokens[r].tolist())
+        logp = jax.nn.log_softmax(forward(sampler.state, jnp.asarray(seq[None])), axis=-1)
+        ref = np.asarray(logp[len(p) - 1:-1][np.arange(70), out.tokens[r]])
+        np.testing.assert_allclose(out.logprobs[r], ref, atol=1e-5, rtol=0)

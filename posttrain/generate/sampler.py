@@ -218,7 +218,8 @@ class Sampler:
         if n > 1:  # share each prompt's prefill across its n samples
             rep = functools.partial(jnp.repeat, repeats=n, axis=0)
             cache = dataclasses.replace(cache, k=tuple(map(rep, cache.k)), v=tuple(map(rep, cache.v)),
-                                        pos=rep(cache.pos), branch=None if cache.branch is None else rep(cache.branch))
+                                        pos=rep(cache.pos), branch=None if cache.branch is None else rep(cache.branch),
+                                        linear=jax.tree.map(rep, cache.linear))  # Gated DeltaNet states
             logits, next_pos = rep(logits), rep(next_pos)
         out = self._decode_loop(model, logits, cache, next_pos, key, stop, max_new_row, params, max_new,
                                 head=head)
@@ -293,7 +294,8 @@ class Sampler:
         for it."""
         take = functools.partial(jnp.take, indices=rows, axis=0)
         cache = dataclasses.replace(cache, k=tuple(map(take, cache.k)), v=tuple(map(take, cache.v)),
-                                    pos=take(cache.pos), branch=None if cache.branch is None else take(cache.branch))
+                                    pos=take(cache.pos), branch=None if cache.branch is None else take(cache.branch),
+                                    linear=jax.tree.map(take, cache.linear))
         return grow(cache, size)
 
     def _turn_fn(self, state, cache, head, key, stop, max_new_row, seqs, *, params, max_new, phases):

@@ -20,8 +20,9 @@ beta = 0 leave the state unchanged (padding).
 - `GatedDeltaNet`: the whole layer (projections, the causal depthwise convolution, the gated output norm),
   equal to transformers' `Qwen3_5GatedDeltaNet`, with its state (`LinearState`) carried between calls.
 
-The Transformer runs it as the token mixer of its "linear" layers (Qwen3.5, models/qwen3_5.py). What it is not
-(yet): prefix-shared rows (each branch would start from the prompt's state; issue #36).
+The Transformer runs it as the token mixer of its "linear" layers (Qwen3.5, models/qwen3_5.py), packed segments
+(each from a zero state) and prefix-shared rows (each branch from the prompt's state and convolution inputs)
+included.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+CHUNK = 64  # tokens per chunk of the layer's chunked form (FLA's and transformers' chunk size)
 
 
 def l2norm(x, eps: float = 1e-6):
@@ -67,9 +70,10 @@ def recurrent(q, k, v, g, beta, state: Optional[jax.Array] = None, *, normalize:
 
 
 def chunked(q, k, v, g, beta, state: Optional[jax.Array] = None, *, chunk: int = 64, normalize: bool = True,
-            resets=None):
+            resets=None, restart: Optional[jax.Array] = None):
     """The gated delta rule in chunks of `chunk` tokens (see the module docstring). resets [B, T] bool or None:
-    tokens that start a new sequence (packed segments): the state before them is dropped, as if it were zero."""
+    tokens that start a new sequence (packed segments, the branches of a prefix-shared row): the state before
+    them is replaced by `restart` [B, H, Dk, Dv] (a row's prompt state), or dropped (zero) when it is None."""
     dt = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, normalize)
     B, T, H, Dk = k.shape
@@ -89,6 +93,7 @@ def chunked(q, k, v, g, beta, state: Optional[jax.Array] = None, *, chunk: int =
 
     qc, kc, vc, gc, bc, rc = (split(x) for x in (q, k, v, g, beta, r))
     s0 = jnp.zeros((B, H, Dk, Dv), v.dtype) if state is None else state.astype(v.dtype)
+    s1 = None if restart is None else restart.astype(v.dtype)
     lower = jnp.tril(jnp.ones((C, C), bool))
     strict = jnp.tril(jnp.ones((C, C), bool), -1)
     eye = jnp.eye(C, dtype=v.dtype)
@@ -107,21 +112,57 @@ def chunked(q, k, v, g, beta, state: Optional[jax.Array] = None, *, chunk: int =
         decay = jnp.where(lower & same, jnp.exp(jnp.where(lower, gi[..., :, None] - gi[..., None, :], 0.0)), 0.0)
         kb = ki * bi[..., None]
         low = jnp.where(strict, jnp.einsum("bhik,bhjk->bhij", kb, ki) * decay, 0.0)
-        # (I + L)^-1 applied to [beta v | beta k exp(g)]: the chunk's C delta-rule updates at once
-        rhs = jnp.concatenate([vi * bi[..., None], kb * jnp.exp(gi)[..., None] * fresh], axis=-1)
+        if s1 is None:  # before a reset the state is zero: only the chunk's first segment reads s
+            # (I + L)^-1 applied to [beta v | beta k exp(g)]: the chunk's C delta-rule updates at once
+            rhs = jnp.concatenate([vi * bi[..., None], kb * jnp.exp(gi)[..., None] * fresh], axis=-1)
+            solved = jax.scipy.linalg.solve_triangular(eye + low, rhs, lower=True, unit_diagonal=True)
+            u, w = solved[..., :Dv], solved[..., Dv:]
+            v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s)
+            attn = jnp.where(lower, jnp.einsum("bhik,bhjk->bhij", qi, ki) * decay, 0.0)
+            out = jnp.einsum("bhck,bhkv->bhcv", qi * jnp.exp(gi)[..., None] * fresh, s) + attn @ v_new
+            last = gi[..., -1]
+            s = s * (jnp.exp(last) * keep)[..., None, None] + jnp.einsum(
+                "bhck,bhcv->bhkv", ki * jnp.exp(last[..., None] - gi)[..., None] * tail, v_new)
+            return s, out
+        # later segments start from s1, decayed from their own start: gl = the log decay since it
+        at = jax.lax.cummax(jnp.where(ri > 0, jnp.arange(C), 0), axis=ri.ndim - 1)  # each token's segment start
+        before = jnp.concatenate([jnp.zeros_like(gi[..., :1]), gi[..., :-1]], axis=-1)
+        gl = gi - jnp.where(seg > 0, jnp.take_along_axis(before, at, axis=-1), 0.0)
+        rhs = jnp.concatenate([vi * bi[..., None], kb * jnp.exp(gl)[..., None]], axis=-1)
         solved = jax.scipy.linalg.solve_triangular(eye + low, rhs, lower=True, unit_diagonal=True)
         u, w = solved[..., :Dv], solved[..., Dv:]
-        v_new = u - jnp.einsum("bhck,bhkv->bhcv", w, s)
+        v_new = u - fresh * jnp.einsum("bhck,bhkv->bhcv", w, s) - (1 - fresh) * jnp.einsum("bhck,bhkv->bhcv", w, s1)
         attn = jnp.where(lower, jnp.einsum("bhik,bhjk->bhij", qi, ki) * decay, 0.0)
-        out = jnp.einsum("bhck,bhkv->bhcv", qi * jnp.exp(gi)[..., None] * fresh, s) + attn @ v_new
-        last = gi[..., -1]
-        s = s * (jnp.exp(last) * keep)[..., None, None] + jnp.einsum(
-            "bhck,bhcv->bhkv", ki * jnp.exp(last[..., None] - gi)[..., None] * tail, v_new)
+        qd = qi * jnp.exp(gl)[..., None]
+        out = (fresh * jnp.einsum("bhck,bhkv->bhcv", qd, s) + (1 - fresh) * jnp.einsum("bhck,bhkv->bhcv", qd, s1)
+               + attn @ v_new)
+        last, tail_gl = gi[..., -1], gl[..., -1]
+        start = s * (jnp.exp(last) * keep)[..., None, None] + s1 * (jnp.exp(tail_gl) * (1 - keep))[..., None, None]
+        s = start + jnp.einsum("bhck,bhcv->bhkv", ki * jnp.exp(last[..., None] - gi)[..., None] * tail, v_new)
         return s, out
 
     s, o = jax.lax.scan(body, s0, (qc, kc, vc, gc, bc, rc))  # o [n, B, H, C, Dv]
     o = jnp.moveaxis(o, 0, 1).swapaxes(2, 3).reshape(B, n * C, H, Dv)[:, :T]
     return o.astype(dt), s
+
+
+def branch_conv(x, weight, branches):
+    """`causal_conv` of a prefix-shared row [prompt | c1 | ... | ck] (branch ids [B, T]: 0 on the prompt, i on
+    continuation i): a branch's first taps read the end of the prompt, never a sibling, as in the unshared row
+    [prompt | ci]. x [B, T, C], weight [C, K] -> y [B, T, C]."""
+    B, T, _ = x.shape
+    K = weight.shape[1]
+    t = jnp.arange(T, dtype=jnp.int32)[None]
+    starts = jnp.concatenate([jnp.ones((B, 1), bool), branches[:, 1:] != branches[:, :-1]], axis=1)
+    at = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)  # where each token's branch (or the prompt) starts
+    prompt = jnp.argmax(branches > 0, axis=1).astype(jnp.int32)[:, None]  # the first branch's start
+    y = jnp.zeros_like(x)
+    for j in range(K):
+        src = t - (K - 1 - j)
+        src = jnp.where((branches > 0) & (src < at), prompt + src - at, src)  # before the branch: the prompt
+        xs = jnp.take_along_axis(x, jnp.maximum(src, 0)[..., None], axis=1)
+        y = y + xs * (src >= 0)[..., None].astype(x.dtype) * weight[:, j].astype(x.dtype)
+    return y
 
 
 class LinearState(NamedTuple):
@@ -185,12 +226,18 @@ class GatedDeltaNet(nnx.Module):
         return LinearState(jnp.zeros((batch, self.K - 1, self.channels), self.dtype),
                            jnp.zeros((batch, self.Hv, self.Dk, self.Dv), jnp.float32))
 
-    def __call__(self, x, state: Optional[LinearState] = None, valid=None, segments=None, *, chunk: int = 64):
+    def __call__(self, x, state: Optional[LinearState] = None, valid=None, segments=None, branches=None, *,
+                 chunk: Optional[int] = None):
         """x [B, T, D] -> (y [B, T, D], the state after the last token). state: carried in (a cache), else a
         sequence start. valid [B, T] bool: padding tokens (False) enter as zeros (as HF's padding mask) and
         leave the delta-rule state unchanged, so left padding is exact. segments [B, T] int or None: packed
-        sequences (without a carried state); each starts from a zero state and convolution. One token uses the
-        recurrent form, more the chunked one."""
+        sequences (without a carried state); each starts from a zero state and convolution. branches [B, T] int
+        or None: prefix-shared rows (one sequence per row, without a carried state): every branch starts from the
+        prompt's state and convolution inputs (a first pass over the prompt alone gives its state). One token
+        uses the recurrent form, more the chunked one."""
+        chunk = chunk or CHUNK
+        if branches is not None and state is not None:
+            raise ValueError("GatedDeltaNet: branch ids with a carried state (a cache) are not supported")
         dt = self.dtype
         B, T, _ = x.shape
         state = self.init_state(B) if state is None else state
@@ -201,7 +248,10 @@ class GatedDeltaNet(nnx.Module):
         z = (x @ self.in_proj_z[...].astype(dt)).reshape(B, T, self.Hv, self.Dv)
         b = x @ self.in_proj_b[...].astype(dt)
         a = x @ self.in_proj_a[...].astype(dt)
-        mixed, conv_state = causal_conv(mixed, self.conv[...], state.conv, segments)
+        if branches is None:
+            mixed, conv_state = causal_conv(mixed, self.conv[...], state.conv, segments)
+        else:
+            mixed, conv_state = branch_conv(mixed, self.conv[...], branches), state.conv
         mixed = jax.nn.silu(mixed)
         kd = self.Hk * self.Dk
         q = mixed[..., :kd].reshape(B, T, self.Hk, self.Dk)
@@ -214,7 +264,12 @@ class GatedDeltaNet(nnx.Module):
             beta, g = beta * valid[..., None], g * valid[..., None]
         if self.Hv > self.Hk:  # HF's repeat_interleave: value head h reads key head h // (Hv / Hk)
             q, k = (jnp.repeat(t, self.Hv // self.Hk, axis=2) for t in (q, k))
-        if T == 1:
+        if branches is not None:
+            prompt = (branches == 0)[..., None].astype(g.dtype)  # pass 1: the prompt's state (branches skipped)
+            _, s_prompt = chunked(q, k, v, g * prompt, beta * prompt, None, chunk=chunk)
+            resets = jnp.concatenate([jnp.zeros((B, 1), bool), branches[:, 1:] != branches[:, :-1]], axis=1)
+            o, rec = chunked(q, k, v, g, beta, None, chunk=chunk, resets=resets, restart=s_prompt)
+        elif T == 1:
             o, rec = recurrent(q, k, v, g, beta, state.recurrent)
         else:
             resets = None if segments is None else jnp.concatenate(

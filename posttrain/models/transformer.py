@@ -89,11 +89,10 @@ class Block(nnx.Module):
         the keys and values attended, or the linear state after the last token).
         shared_kv: the source layer's (k, v) for a KV-shared layer; per_layer_input [B, T, P] (Gemma 4);
         routes [B, T, k]: the experts to replay in this layer's MoE (routing replay)."""
-        if self.linear is not None:
-            if layout.q_branch is not None:
-                raise NotImplementedError("prefix-shared rows (branch ids) on Gated DeltaNet layers are not "
-                                          "supported yet; set the trainer's shared-prefix option off")
-            h, kv = self.linear(self.attn_norm(x), kv, valid=layout.q_pos >= 0, segments=layout.q_seg)
+        if self.linear is not None:  # branch ids: prefix-shared rows (without a cache: one sequence per row)
+            branches = layout.q_branch if kv is None else None
+            h, kv = self.linear(self.attn_norm(x), kv, valid=layout.q_pos >= 0,
+                                segments=None if branches is not None else layout.q_seg, branches=branches)
             attn = None
         else:
             h, kv, attn = self.attn(self.attn_norm(x), rope, layout, kv, write_index, return_attn, shared_kv)
