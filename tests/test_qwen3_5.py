@@ -182,3 +182,21 @@ def test_sampler_logprobs_equal_the_trainer_forward(ckpt):
         logp = jax.nn.log_softmax(forward(sampler.state, jnp.asarray(seq[None])), axis=-1)
         ref = np.asarray(logp[len(p) - 1:-1][np.arange(70), out.tokens[r]])
         np.testing.assert_allclose(out.logprobs[r], ref, atol=1e-5, rtol=0)
+
+
+def test_stop_sequence_then_extend_continues_exactly(ckpt):
+    """Greedy: a row stops at a stop sequence, then `extend` with nothing appended samples exactly what the
+    uninterrupted decode sampled: a stopped row's padding never entered its linear states, and the stop token is
+    fed again as the attention slots are."""
+    sampler = Sampler(from_pretrained(ckpt), max_len=64)
+    ids = [np.random.default_rng(7).integers(3, V, n).tolist() for n in (9, 5)]
+    greedy = SamplingParams(max_new_tokens=16, temperature=0.0)
+    never = [[10**6, 10**6]]
+    ref, _ = sampler.begin(ids, greedy, stop_sequences=never)
+    seq = ref.tokens[0, 3:5].tolist()
+    first, turn = sampler.begin(ids, greedy, stop_sequences=[seq])
+    L = int(first.lengths[0])
+    assert L <= 5 and first.finish_reasons[0] == "stop" and first.tokens[0, L - 2:L].tolist() == seq
+    again, _ = sampler.extend(turn, [0], [[]], greedy, max_new_tokens=[16 - L], stop_sequences=never)
+    np.testing.assert_array_equal(again.tokens[0, :16 - L], ref.tokens[0, L:])
+    np.testing.assert_allclose(again.logprobs[0, :16 - L], ref.logprobs[0, L:], atol=1e-5, rtol=0)

@@ -258,8 +258,11 @@ class Sampler:
 
         def body(c):
             i, tok, pos, cache, done, out_tok, out_lp, lengths, hist, routes = c
-            out = model(tok[:, None], pos[:, None], cache=cache, return_hidden=True, return_logits=False,
-                        rope_tables=ropes, return_router_logits=record)
+            # A row that stopped keeps feeding padding; a Gated DeltaNet state cannot take a token back (the
+            # attention slots are emptied after the loop), so there the fed token counts only while not done.
+            live = (~done)[:, None].astype(jnp.int32) if cache.linear else None
+            out = model(tok[:, None], pos[:, None], cache=cache, segment_ids=live, return_hidden=True,
+                        return_logits=False, rope_tables=ropes, return_router_logits=record)
             if record:  # the token sampled at step i - 1, fed now: its experts (a stopped row's stay -1)
                 chosen = chosen_experts(out.router_logits, self.cfg.experts_per_token)[:, 0]
                 old = jax.lax.dynamic_index_in_dim(routes, i - 1, axis=1, keepdims=False)

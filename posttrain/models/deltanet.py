@@ -146,6 +146,26 @@ def chunked(q, k, v, g, beta, state: Optional[jax.Array] = None, *, chunk: int =
     return o.astype(dt), s
 
 
+def valid_conv(x, weight, past, valid):
+    """`causal_conv` over the valid tokens only (valid [B, T] bool): a tap reads the previous valid input (or the
+    past), so padding anywhere in x (a left-padded block appended to a cache, a stopped row's feed) neither
+    enters nor shifts the window. Returns (y [B, T, C]; at padding, whatever), the last K - 1 valid inputs)."""
+    B, T, _ = x.shape
+    K = weight.shape[1]
+    full = jnp.concatenate([past.astype(x.dtype), x], axis=1)  # [B, K - 1 + T, C]
+    ok = jnp.concatenate([jnp.ones((B, K - 1), bool), valid], axis=1)
+    at = jnp.cumsum(ok, axis=1, dtype=jnp.int32) - 1  # index among the valid inputs
+    n = full.shape[1]
+    rows = jnp.arange(B)[:, None]
+    packed = jnp.zeros_like(full).at[rows, jnp.where(ok, at, n)].set(full, mode="drop")  # valid inputs first
+    me = at[:, K - 1:]
+    y = sum(jnp.take_along_axis(packed, jnp.maximum(me - (K - 1 - j), 0)[..., None], axis=1)
+            * weight[:, j].astype(x.dtype) for j in range(K))
+    count = at[:, -1:] + 1
+    tail = jnp.take_along_axis(packed, (count - (K - 1) + jnp.arange(K - 1)[None])[..., None], axis=1)
+    return y, tail
+
+
 def branch_conv(x, weight, branches):
     """`causal_conv` of a prefix-shared row [prompt | c1 | ... | ck] (branch ids [B, T]: 0 on the prompt, i on
     continuation i): a branch's first taps read the end of the prompt, never a sibling, as in the unshared row
@@ -240,6 +260,7 @@ class GatedDeltaNet(nnx.Module):
             raise ValueError("GatedDeltaNet: branch ids with a carried state (a cache) are not supported")
         dt = self.dtype
         B, T, _ = x.shape
+        carried = state is not None
         state = self.init_state(B) if state is None else state
         x = x.astype(dt)
         if valid is not None:
@@ -248,7 +269,9 @@ class GatedDeltaNet(nnx.Module):
         z = (x @ self.in_proj_z[...].astype(dt)).reshape(B, T, self.Hv, self.Dv)
         b = x @ self.in_proj_b[...].astype(dt)
         a = x @ self.in_proj_a[...].astype(dt)
-        if branches is None:
+        if carried and valid is not None:  # padding (a left-padded block, a stopped row) skips the conv window
+            mixed, conv_state = valid_conv(mixed, self.conv[...], state.conv, valid)
+        elif branches is None:
             mixed, conv_state = causal_conv(mixed, self.conv[...], state.conv, segments)
         else:
             mixed, conv_state = branch_conv(mixed, self.conv[...], branches), state.conv
