@@ -146,8 +146,11 @@ class LoraSection(Section):
     rank: AtLeast1 = 8  # adapter rank r; default 8
     alpha: Positive = 16.0  # scaling numerator: update = (alpha / rank) * B @ A; default 16.0
     dropout: Rate = 0.0  # dropout probability on the adapter input; default 0.0
-    # Projection names to adapt, each matched by regex search against parameter paths.
-    targets: tuple[str, ...] = ("qkv", "o", "gate_up", "down")
+    # Projections to adapt: a projection's name (attention qkv, o; MLP gate_up, down; Gated DeltaNet layers
+    # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj) matches that projection in every layer; anything
+    # else is a regex searched in the parameter path (e.g. 'layers\\.0\\.attn\\.qkv'). Default: all of them.
+    targets: tuple[str, ...] = ("qkv", "o", "gate_up", "down", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+                                "out_proj")
 
 
 

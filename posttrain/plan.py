@@ -49,10 +49,10 @@ def _abstract_model(cfg: ModelConfig, trainable: str, lora_rank: int, lora_targe
     if trainable == "full":
         return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     if trainable == "lora":
-        from posttrain.models.lora import apply_lora
+        from posttrain.models.lora import PROJECTIONS, apply_lora
 
         return nnx.eval_shape(lambda: apply_lora(Transformer(cfg, rngs=nnx.Rngs(0)), rank=lora_rank,
-                                                 targets=lora_targets))
+                                                 targets=lora_targets or PROJECTIONS))
     raise PosttrainError(f"plan: trainable must be 'full' or 'lora', got {trainable!r}")
 
 
@@ -148,13 +148,14 @@ def _kv_bytes(cfg: ModelConfig, i: int, rules: dict, sizes: dict) -> int:
 
 def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mapping[str, int], preset: str,
          trainable: str = "full", optimizer_slots: int = 2, remat: bool = False, kv_cache_tokens: int = 0,
-         lora_rank: int = 8, lora_targets=("qkv", "o", "gate_up", "down")) -> dict:
+         lora_rank: int = 8, lora_targets=None) -> dict:
     """Bytes per device: parameters, optimizer, gradients, activations, kv_cache and total.
 
     batch: global sequences per step (split over data x fsdp); seq_len: tokens per sequence.
     trainable: "full" (every parameter trains) or "lora" (only adapters; the base is frozen and
     has no gradients or optimizer state). optimizer_slots: state arrays per trainable parameter
-    (AdamW: 2, SGD with momentum: 1). kv_cache_tokens: cached tokens across the whole sampling
+    (AdamW: 2, SGD with momentum: 1). lora_targets: as `lora.targets` (None: every projection).
+    kv_cache_tokens: cached tokens across the whole sampling
     batch (rows x cache length), 0 for training only. Activations assume no micro-batching (with
     M micro-batches, divide them by M).
     """

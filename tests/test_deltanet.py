@@ -139,3 +139,23 @@ def test_gated_deltanet_layer_equals_transformers(value_heads):
         y, state = ours(jnp.asarray(x[:, t:t + 1]), state)
         steps.append(y)
     _close(np.asarray(jnp.concatenate(steps, 1)), want)
+
+
+@pytest.mark.parametrize("C", [1, 8, 64])
+def test_unit_lower_inverse_equals_the_matrix_inverse(C):
+    """The chunk's (I + L)^-1 by doubling diagonal blocks (matrix products, no LAPACK call) = numpy's inverse in
+    float64, on the kind of L the delta rule builds (beta K K^T decay, unit keys, some nearly parallel) and on a
+    plain random one; a non-power-of-two chunk is refused."""
+    r = np.random.default_rng(C)
+    k = r.normal(size=(6, C, 16)) + 2.0 * r.normal(size=(6, 1, 16))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    g = np.cumsum(-r.uniform(0, 0.05, (6, C)), axis=-1)
+    low = np.tril(r.uniform(0, 1, (6, C, 1)) * (k @ k.swapaxes(1, 2)) * np.exp(g[:, :, None] - g[:, None, :]), -1)
+    plain = np.tril(r.normal(size=(2, C, C)), -1)
+    with jax.enable_x64(True):
+        for L in (low, plain):
+            want = np.linalg.inv(np.eye(C) + L)
+            got = np.asarray(deltanet.unit_lower_inverse(jnp.asarray(L)))
+            assert np.abs(got - want).max() <= 1e-9 * np.abs(want).max()
+    with pytest.raises(ValueError, match="power of two"):
+        deltanet.unit_lower_inverse(jnp.zeros((12, 12)))

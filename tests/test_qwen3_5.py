@@ -200,3 +200,33 @@ def test_stop_sequence_then_extend_continues_exactly(ckpt):
     again, _ = sampler.extend(turn, [0], [[]], greedy, max_new_tokens=[16 - L], stop_sequences=never)
     np.testing.assert_array_equal(again.tokens[0, :16 - L], ref.tokens[0, L:])
     np.testing.assert_allclose(again.logprobs[0, :16 - L], ref.logprobs[0, L:], atol=1e-5, rtol=0)
+
+
+def test_lora_on_linear_layers_targets_by_name_and_merges_exactly(ckpt):
+    """LoRA's default targets adapt the Gated DeltaNet projections too; a projection's name matches that
+    projection only ('o' adapts attention's o, not `down` or `out_proj`); with random adapters the adapted
+    forward equals the merged model's (<= 1e-5 of the logits' range) and differs from the base."""
+    from flax import nnx
+
+    from posttrain.config import LoraSection
+    from posttrain.models.lora import Lora, LoraParam, apply_lora, merge_lora
+
+    def adapted(model):
+        return sorted(".".join(map(str, p)) for p, m in nnx.iter_graph(model) if isinstance(m, Lora))
+
+    only_o = adapted(apply_lora(from_pretrained(ckpt), targets=("o",)))
+    assert only_o and all(p.endswith(".o_lora") for p in only_o)
+    model = apply_lora(from_pretrained(ckpt), rank=4, targets=LoraSection().targets)
+    names = {p.rsplit(".", 1)[1] for p in adapted(model)}
+    assert {"in_proj_qkv_lora", "in_proj_z_lora", "in_proj_b_lora", "in_proj_a_lora", "out_proj_lora"} <= names
+    x = jnp.asarray(np.random.default_rng(2).integers(3, V, (2, 40)))
+    pos = jnp.broadcast_to(jnp.arange(40), x.shape)
+    base = np.asarray(_fwd(model, x, pos, None))
+    graphdef, lora, rest = nnx.split(model, LoraParam, ...)
+    keys = iter(jax.random.split(jax.random.key(0), len(jax.tree.leaves(lora))))
+    lora = jax.tree.map(lambda a: 0.05 * jax.random.normal(next(keys), a.shape), lora)
+    model = nnx.merge(graphdef, lora, rest)
+    got = np.asarray(_fwd(model, x, pos, None))
+    assert np.abs(got - base).max() > 1e-2
+    err = np.abs(np.asarray(_fwd(merge_lora(model), x, pos, None)) - got).max()
+    assert err <= 1e-5 * (got.max() - got.min()), (err, got.max() - got.min())

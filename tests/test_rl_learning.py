@@ -23,7 +23,7 @@ from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer
 
 
-def sft_to_partial_accuracy(out_dir, low: float = 0.3) -> str:
+def sft_to_partial_accuracy(out_dir, low: float = 0.3, model: str = "demo-tiny") -> str:
     """SFT demo-tiny from scratch on two-digit addition until its greedy held-out accuracy first
     reaches `low` (checked every 50 steps from step 150; the float round-off of the machine moves
     where a fixed step count lands, so the start is set by accuracy); a HF folder in `out_dir`."""
@@ -33,7 +33,7 @@ def sft_to_partial_accuracy(out_dir, low: float = 0.3) -> str:
     examples, _ = load_examples(addition.write_jsonl(train, os.path.join(out_dir, "train.jsonl")), tok, max_length=16)
     optim = C.OptimSection(lr=1.5e-3, warmup_steps=20, schedule="constant")
     opt = make_optimizer(optim, schedule(optim, 1000))
-    graphdef, state = init_state(Transformer(preset("demo-tiny", vocab_size=tok.vocab_size), rngs=nnx.Rngs(0)), opt)
+    graphdef, state = init_state(Transformer(preset(model, vocab_size=tok.vocab_size), rngs=nnx.Rngs(0)), opt)
     step = make_train_step(sft_loss, opt, graphdef)
     data = iter(batches(examples, batch_size=64, seq_len=16, pad_id=tok.pad_id, packing=False, seed=0))
     prompts = [tok.encode(p) for p, _ in pairs]

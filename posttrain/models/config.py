@@ -329,6 +329,13 @@ PRESETS: dict[str, ModelConfig] = {
     "demo-tiny": ModelConfig(
         family="llama", vocab_size=263, embed_dim=128, num_layers=3, num_heads=4, num_kv_heads=4,
         head_dim=32, mlp_dim=512, max_position=512, rope=RopeConfig(theta=10_000.0)),
+    # demo-tiny as a Qwen3.5 hybrid: 3 Gated DeltaNet layers, then 1 gated full-attention layer.
+    "demo-tiny-hybrid": ModelConfig(
+        family="qwen3_5", vocab_size=263, embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=4,
+        head_dim=32, mlp_dim=512, max_position=512, norm_eps=1e-6, norm_unit_offset=True, qk_norm=True,
+        attn_output_gate=True, layer_types=("linear", "linear", "linear", "full"), linear_key_heads=2,
+        linear_value_heads=4, linear_key_dim=32, linear_value_dim=32,
+        rope=RopeConfig(theta=10_000.0, partial=0.25)),
     # The demo's distillation student: demo-tiny with 2 layers instead of 3.
     "demo-student": ModelConfig(
         family="llama", vocab_size=263, embed_dim=128, num_layers=2, num_heads=4, num_kv_heads=4,

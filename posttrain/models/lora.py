@@ -2,7 +2,9 @@
 
 What it is: `apply_lora(model, rank=..., alpha=..., dropout=..., targets=(...))` attaches a
 `Lora` adapter beside each projection whose name matches a target pattern (`qkv`, `o`,
-`gate_up`, `down`; regex search on the dotted path, e.g. `layers\\.0\\.attn\\.qkv`). The
+`gate_up`, `down`, and on Gated DeltaNet layers `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`,
+`out_proj`: a name matches that projection only; anything else is a regex searched in the dotted path, e.g.
+`layers\\.0\\.attn\\.qkv`). The
 projection then computes x W + (alpha / rank) * dropout(x) A B (Hu et al., 2021), with B = 0
 at start so the adapted model equals the base. Adapter weights are `LoraParam`s, a Param
 subtype: the trainer trains `LoraParam` only and the base stays frozen; `merge_lora(model)`
@@ -25,7 +27,8 @@ from flax import nnx
 from posttrain.errors import PosttrainError
 from posttrain.models.transformer import count_params
 
-PROJECTIONS = ("qkv", "o", "gate_up", "down")
+# attention and MLP, then the Gated DeltaNet layers' (Qwen3.5: models/deltanet.py)
+PROJECTIONS = ("qkv", "o", "gate_up", "down", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 
 class LoraParam(nnx.Param):
@@ -79,7 +82,9 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0, dropout: float = 0.
                targets: Sequence[str] = PROJECTIONS, seed: int = 0):
     """Attach adapters in place to projections matching any pattern in `targets`; returns model."""
     rngs = nnx.Rngs(params=seed, dropout=seed + 1)
-    pats = [re.compile(t) for t in targets]
+    # a projection's own name matches that projection only ('o' is not a pattern found in 'down' or
+    # 'out_proj'); anything else is a regex searched in the dotted path
+    pats = [re.compile(rf"(^|\.){t}$" if t in PROJECTIONS else t) for t in targets]
     hits = 0
     for path, mod, name in list(_projection_owners(model)):
         if not any(p.search(path) for p in pats):
