@@ -217,6 +217,12 @@ def use_mesh(mesh: Optional[Mesh], rules: Optional[dict] = None):
         stack.pop()
 
 
+def active_mesh():
+    """(mesh, rules) of the innermost `use_mesh` block, or None outside one."""
+    stack = _active()
+    return stack[-1] if stack else None
+
+
 # ------------------------------------------------------------------------------------------ model code
 
 

@@ -384,3 +384,35 @@ def test_untagged_lora_adapters_get_the_same_sharding_from_every_path():
                   for p, v in nnx.to_flat_state(sh.state_shardings(state, mesh, rules))}
     assert via_trainer == via_loader
     assert via_trainer["layers.0.mlp.gate_up_lora.b"] == (None, "fsdp")
+
+
+def test_a_hybrid_model_trains_and_samples_like_one_device():
+    """Qwen3.5-shaped (a Gated DeltaNet layer, then gated full attention): SFT steps under every preset equal one
+    device's, and greedy decoding (the linear layers' states in the cache) under tp and fsdp_tp equals it."""
+    hybrid = dict(TINY, embed_dim=64, layer_types=("linear", "full"), linear_key_heads=8, linear_value_heads=16,
+                  linear_key_dim=8, linear_value_dim=8)
+
+    def model(seed=0):
+        return Transformer(preset("demo-tiny-hybrid", **hybrid), rngs=nnx.Rngs(seed))
+
+    def build():
+        opt = optax.adamw(1e-3, eps=1e-5)
+        graphdef, state = init_state(model(), opt)
+        return state, make_train_step(sft_loss, opt, graphdef)
+
+    out = assert_sharded_like_single_device(build, sft_batch(), ALL_PRESETS, steps=2)
+    assert out["single"][0][1] < out["single"][0][0]
+    z = out["tp"][1].params["layers"][0]["linear"]["in_proj_z"]
+    assert _norm(z.sharding.spec) == (None, "tensor")  # the value heads over the model axis
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 128, int(rng.integers(2, 9))).tolist() for _ in range(8)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    ref = Sampler(model(), max_len=32).generate(prompts, params)
+    for name in ("tp", "fsdp_tp"):
+        mesh, rules = sh.make_mesh(name), sh.preset_rules(name)
+        m = model()
+        nnx.update(m, sh.shard_state(nnx.state(m), mesh, rules))
+        with sh.use_mesh(mesh, rules):
+            got = Sampler(m, max_len=32).generate(prompts, params)
+        np.testing.assert_array_equal(got.tokens, ref.tokens, err_msg=name)
+        np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5, err_msg=name)

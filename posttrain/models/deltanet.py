@@ -262,14 +262,16 @@ class GatedDeltaNet(nnx.Module):
         self.Hk, self.Hv, self.Dk, self.Dv, self.K = key_heads, value_heads, key_dim, value_dim, kernel
         self.channels = 2 * key_heads * key_dim + value_heads * value_dim
         self.in_proj_qkv = param(init(rngs.params(), (D, self.channels), pd), ("embed", None))
-        self.in_proj_z = param(init(rngs.params(), (D, value_heads * value_dim), pd), ("embed", None))
-        self.in_proj_b = param(init(rngs.params(), (D, value_heads), pd), ("embed", None))
-        self.in_proj_a = param(init(rngs.params(), (D, value_heads), pd), ("embed", None))
+        # the value heads' own projections split over the model axis by heads (tp: each device a block of whole
+        # heads when the axis divides them); in_proj_qkv's [q | k | v] columns are not head-contiguous: replicated
+        self.in_proj_z = param(init(rngs.params(), (D, value_heads * value_dim), pd), ("embed", "heads"))
+        self.in_proj_b = param(init(rngs.params(), (D, value_heads), pd), ("embed", "heads"))
+        self.in_proj_a = param(init(rngs.params(), (D, value_heads), pd), ("embed", "heads"))
         self.conv = param(init(rngs.params(), (self.channels, kernel), pd), (None, None))
         self.dt_bias = param(jnp.ones((value_heads,), pd), (None,))
         self.A_log = param(jnp.log(jnp.linspace(1.0, 16.0, value_heads)).astype(pd), (None,))
         self.norm = param(jnp.ones((value_dim,), pd), (None,))
-        self.out_proj = param(init(rngs.params(), (value_heads * value_dim, D), pd), (None, "embed"))
+        self.out_proj = param(init(rngs.params(), (value_heads * value_dim, D), pd), ("heads", "embed"))
         self.eps = eps
         self.dtype = jnp.dtype(dtype)
         # LoRA adapters, attached by models.lora.apply_lora

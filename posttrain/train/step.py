@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 
 from posttrain.models import moe
-from posttrain.sharding import use_mesh
+from posttrain.sharding import active_mesh, tree_shardings, use_mesh
 
 
 @jax.tree_util.register_dataclass
@@ -129,6 +129,8 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         out["nonfinite_run"] = nonfinite
         new = TrainState(step=state.step + 1, params=keep(params, state.params), rest=keep(rest, state.rest),
                          opt_state=keep(opt_state, state.opt_state), rng=rng, nonfinite=nonfinite)
+        if (placed := active_mesh()) is not None:  # the new state placed by the rules, as `shard_state` placed
+            new = jax.lax.with_sharding_constraint(new, tree_shardings(new, *placed))  # the old one
         return new, out
 
     return jax.jit(step, donate_argnums=0)
