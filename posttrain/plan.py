@@ -115,19 +115,27 @@ def _mlp_activations(cfg: ModelConfig, i: int, t: int) -> int:
         return dense
     k = cfg.experts_per_token
     experts = _split(4 * k * cfg.expert_mlp_dim, t) + 2 * k * cfg.embed_dim + cfg.num_experts
-    return experts + (dense + 3 * cfg.embed_dim if cfg.moe_beside_mlp else 0)  # Gemma 4: + its own norms
+    shared = _split(4 * cfg.shared_expert_dim, t) + cfg.embed_dim if cfg.shared_expert_dim else 0
+    return experts + shared + (dense + 3 * cfg.embed_dim if cfg.moe_beside_mlp else 0)  # Gemma 4: + its own norms
 
 
 def layer_flops(cfg: ModelConfig, i: int, seq_len: int) -> int:
     """Forward matmul FLOPs per token of layer i (what MFU counts): q / k / v / output projections (the
     layer's own head size, KV heads and KV slots), attention against `seq_len` keys (QK^T and PV; causal
     masking and windows ignored, the PaLM convention), the dense MLP (its own width) and, on a sparse
-    layer, the top-k experts and the router."""
+    layer, the top-k experts, the router and a shared expert. A Gated DeltaNet layer: its projections and the
+    chunked delta rule (linear in length: no `seq_len` term)."""
     D, N, H = cfg.embed_dim, cfg.num_heads, cfg.layer_head_dim(i)
-    proj = D * (N + cfg.layer_kv_heads(i) * cfg.layer_kv_slots(i)) * H + N * H * D
     mlp = 0 if cfg.is_moe_layer(i) and not cfg.moe_beside_mlp else 3 * D * cfg.layer_mlp_dim(i)
     if cfg.is_moe_layer(i):
         mlp += cfg.experts_per_token * 3 * D * cfg.expert_mlp_dim + D * cfg.num_experts
+        mlp += 3 * D * cfg.shared_expert_dim + D if cfg.shared_expert_dim else 0  # Qwen3.5-MoE's shared expert
+    if cfg.layer_type(i) == "linear":  # Gated DeltaNet: projections, then per value head the chunked rule
+        Hv, Dk, Dv = cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
+        proj = D * (2 * cfg.linear_key_heads * Dk + 2 * Hv * Dv + 2 * Hv) + Hv * Dv * D
+        rule = Hv * (3 * Dk * Dv + 64 * (3 * Dk + 2 * Dv))  # S reads and update; a 64-token chunk's products
+        return 2 * (proj + mlp + rule)
+    proj = D * (N + cfg.layer_kv_heads(i) * cfg.layer_kv_slots(i)) * H + N * H * D
     return 2 * (proj + mlp) + 2 * 2 * N * H * seq_len
 
 

@@ -27,7 +27,7 @@ def _both(folder, raw=None):
 
 
 TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_moe", "mixtral",
-         "qwen3_5_text")
+         "qwen3_5_text", "qwen3_5_moe_text")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -85,6 +85,7 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.001  # load-balancing loss weight added by the train step (HF's name)
     router_z_loss_coef: float = 0.0  # router z-loss weight (ST-MoE: mean logsumexp(router logits)^2)
     moe_beside_mlp: bool = False  # Gemma 4: every layer keeps its dense MLP and adds the routed block beside it
+    shared_expert_dim: int = 0  # Qwen3.5-MoE: a gated MLP of this width beside the routed experts, * sigmoid(x w)
     #   (own norms; the router normalises its input and learns an input scale and a per-expert weight scale)
     # Gemma 4 per-layer variants (all off by default; see the layer_* methods).
     global_head_dim: Optional[int] = None  # head size of full-attention layers; None = head_dim
@@ -313,6 +314,14 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=128, mlp_dim=6144, max_position=40_960, norm_eps=1e-6, qk_norm=True,
         rope=RopeConfig(theta=1_000_000.0), num_experts=128, experts_per_token=8, expert_mlp_dim=768,
         norm_topk_prob=True),
+    # transformers 5.12's Qwen3_5MoeTextConfig defaults, which its docs name Qwen/Qwen3.5-35B-A3B (the RoPE theta is
+    # that class's default; a real folder's config.json sets its own): tests/test_qwen3_5_moe.py checks the match
+    "qwen3.5-35b-a3b": ModelConfig(
+        family="qwen3_5_moe", vocab_size=248_320, embed_dim=2048, num_layers=40, num_heads=16, num_kv_heads=2,
+        head_dim=256, mlp_dim=512, max_position=32_768, norm_eps=1e-6, norm_unit_offset=True, qk_norm=True,
+        attn_output_gate=True, layer_types=("linear", "linear", "linear", "full") * 10, linear_key_heads=16,
+        linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, rope=RopeConfig(theta=10_000.0, partial=0.25),
+        num_experts=256, experts_per_token=8, expert_mlp_dim=512, shared_expert_dim=512, norm_topk_prob=True),
     "mixtral-8x7b": ModelConfig(
         family="mixtral", vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
         head_dim=128, mlp_dim=14_336, max_position=32_768, rope=RopeConfig(theta=1_000_000.0),

@@ -10,8 +10,8 @@ from posttrain.models import gemma4, qwen3_5
 from posttrain.models.config import ModelConfig, RopeConfig
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_moe",
-             "mixtral", "gpt_oss", "qwen3_5_text")
-MOE = ("qwen3_moe", "mixtral", "gpt_oss")  # mixture-of-experts families (models/moe.py)
+             "mixtral", "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text")  # mixture-of-experts families (models/moe.py)
 
 # ----------------------------------------------------------------------------- config
 
@@ -64,6 +64,7 @@ _DEFAULTS = {
                     rms_norm_eps=1e-5, num_experts_per_tok=4, num_local_experts=128, router_aux_loss_coef=0.001,
                     attention_bias=True),
     qwen3_5.MODEL_TYPE: qwen3_5.DEFAULTS,
+    qwen3_5.MOE_TYPE: qwen3_5.MOE_DEFAULTS,
 }
 # transformers' default_theta (10 000 for the rest; Gemma 3 below)
 _DEFAULT_THETA = {"mixtral": 1_000_000.0, "gpt_oss": 150_000.0}
@@ -99,7 +100,7 @@ def _post_init(d: dict, mt: str) -> None:
     if d.get("num_key_value_heads") is None:
         d["num_key_value_heads"] = d["num_attention_heads"]
     L = d["num_hidden_layers"]
-    if mt == qwen3_5.MODEL_TYPE:
+    if mt in qwen3_5.TYPES:
         qwen3_5.post_init(d)
     if mt in ("qwen2", "qwen3", "qwen3_moe"):
         d["sliding_window"] = d.get("sliding_window") if d.get("use_sliding_window") else None
@@ -234,13 +235,14 @@ def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
         family=mt.replace("_text", ""), vocab_size=hf.vocab_size, embed_dim=hf.hidden_size,
         num_layers=hf.num_hidden_layers, num_heads=heads,
         num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads, head_dim=head_dim,
-        mlp_dim=hf.intermediate_size, max_position=getattr(hf, "max_position_embeddings", 8192),
+        mlp_dim=getattr(hf, "intermediate_size", None) or hf.shared_expert_intermediate_size,  # Qwen3.5-MoE: none
+        max_position=getattr(hf, "max_position_embeddings", 8192),
         norm_eps=hf.rms_norm_eps, tie_embeddings=bool(getattr(hf, "tie_word_embeddings", gemma)),
     )
     if mt in ("gemma3_text", "gemma4_text"):
         kw["rope"] = _rope(rp.get("full_attention"))
         kw["rope_local"] = _rope(rp.get("sliding_attention"))
-    elif mt == qwen3_5.MODEL_TYPE:
+    elif mt in qwen3_5.TYPES:
         kw["rope"] = _rope(rp, partial=float(rp.get("partial_rotary_factor", 1.0)))
     else:
         kw["rope"] = _rope(rp)
@@ -258,7 +260,7 @@ def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
     if mt == "gpt_oss":
         kw.update(o_bias=bool(hf.attention_bias), attn_sinks=True)
     kw["qk_norm"] = mt in ("qwen3", "gemma3_text", "gemma4_text", "qwen3_moe")
-    if mt == qwen3_5.MODEL_TYPE:
+    if mt in qwen3_5.TYPES:
         kw.update(qwen3_5.config_fields(hf, where))
     if mt in MOE:
         kw.update(_moe_from_hf(hf, mt, where))
@@ -283,6 +285,8 @@ def _moe_from_hf(hf, mt: str, where: str) -> dict:
         return dict(num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
                     expert_mlp_dim=hf.intermediate_size, norm_topk_prob=True, router_bias=True, expert_bias=True,
                     expert_act="gpt_oss", router_aux_loss_coef=float(hf.router_aux_loss_coef))
+    if mt == qwen3_5.MOE_TYPE:
+        return qwen3_5.moe_fields(hf)
     if mt == "mixtral":
         return dict(num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
                     expert_mlp_dim=hf.intermediate_size, norm_topk_prob=True,
@@ -350,7 +354,7 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
     if cfg.layer_types or mt in ("qwen2", "qwen3", "gemma2", "gemma3_text", "gemma4_text"):
         d["layer_types"] = [("sliding_attention" if cfg.layer_type(i) == "sliding" else "full_attention")
                             for i in range(cfg.num_layers)]
-    if mt == qwen3_5.MODEL_TYPE:
+    if mt in qwen3_5.TYPES:
         qwen3_5.config_to_hf(cfg, d)
     d["dtype"] = cfg.param_dtype
     d.update(extra)
@@ -368,6 +372,8 @@ def _moe_to_hf(cfg: ModelConfig, mt: str) -> dict:
         return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                     intermediate_size=cfg.expert_mlp_dim, router_aux_loss_coef=cfg.router_aux_loss_coef,
                     attention_bias=cfg.qkv_bias)
+    if mt == qwen3_5.MOE_TYPE:
+        return qwen3_5.moe_to_hf(cfg)
     if mt == "mixtral":
         if cfg.dense_layers or not cfg.norm_topk_prob or not cfg.num_experts:
             raise PosttrainError("cannot export as mixtral: Mixtral has experts on every layer (dense_layers = ()) "
@@ -384,7 +390,8 @@ def _moe_to_hf(cfg: ModelConfig, mt: str) -> dict:
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
          "gemma3_text": "Gemma3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-         "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM"}
+         "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+         "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 # transformers' sequence-classification class of each family (gemma3_text: the text-only one).
 CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
             "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",
@@ -395,4 +402,5 @@ CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenc
 
 def text_type(family: str) -> str:
     """The transformers model_type of a family (Gemma 3 and 4 export their text-only model types)."""
-    return {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text"}.get(family, family)
+    return {"gemma3": "gemma3_text", "gemma4": "gemma4_text", "qwen3_5": "qwen3_5_text",
+            "qwen3_5_moe": "qwen3_5_moe_text"}.get(family, family)

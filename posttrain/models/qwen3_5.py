@@ -12,7 +12,11 @@ What Qwen3.5 text is, per transformers 5.12 `models/qwen3_5/modeling_qwen3_5.py`
     position);
   - every RMSNorm scales by (1 + w) except the linear layers' gated output norm (w).
 
-What it is not: the vision tower of a `qwen3_5` folder, Qwen3.5-MoE (`qwen3_5_moe`), Qwen3-Next.
+Qwen3.5-MoE text (`qwen3_5_moe_text`, `Qwen3_5MoeForCausalLM`) is the same with every MLP a sparse block: a
+softmax router with renormalised top-k weights over fused experts, plus a shared expert (a gated MLP of
+`shared_expert_intermediate_size`) scaled per token by sigmoid(shared_expert_gate(x)).
+
+What it is not: the vision tower of a `qwen3_5` / `qwen3_5_moe` folder, Qwen3-Next.
 """
 
 from __future__ import annotations
@@ -23,10 +27,18 @@ from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig
 
 MODEL_TYPE = "qwen3_5_text"
+MOE_TYPE = "qwen3_5_moe_text"
+TYPES = (MODEL_TYPE, MOE_TYPE)
 DEFAULTS = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                 num_attention_heads=16, num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
                 linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
                 linear_num_key_heads=16, linear_num_value_heads=32, full_attention_interval=4)
+MOE_DEFAULTS = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                    num_key_value_heads=2, head_dim=256, max_position_embeddings=32768, linear_conv_kernel_dim=4,
+                    linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                    linear_num_value_heads=32, full_attention_interval=4, moe_intermediate_size=512,
+                    shared_expert_intermediate_size=512, num_experts_per_tok=8, num_experts=256,
+                    router_aux_loss_coef=0.001)
 
 
 def post_init(d: dict) -> None:
@@ -56,8 +68,27 @@ def config_fields(hf, where: str) -> dict:
                 linear_conv_kernel=hf.linear_conv_kernel_dim)
 
 
+def moe_fields(hf) -> dict:
+    """The mixture-of-experts ModelConfig fields of a Qwen3_5MoeTextConfig (every layer sparse)."""
+    return dict(num_experts=hf.num_experts, experts_per_token=hf.num_experts_per_tok,
+                expert_mlp_dim=hf.moe_intermediate_size, norm_topk_prob=True,
+                shared_expert_dim=hf.shared_expert_intermediate_size,
+                router_aux_loss_coef=float(hf.router_aux_loss_coef))
+
+
+def moe_to_hf(cfg: ModelConfig) -> dict:
+    if cfg.dense_layers or not cfg.norm_topk_prob or not cfg.num_experts or not cfg.shared_expert_dim:
+        raise PosttrainError("cannot export as qwen3_5_moe_text: Qwen3.5-MoE has experts on every layer, "
+                             "renormalised top-k weights and a shared expert")
+    return dict(num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+                moe_intermediate_size=cfg.expert_mlp_dim, shared_expert_intermediate_size=cfg.shared_expert_dim,
+                router_aux_loss_coef=cfg.router_aux_loss_coef)
+
+
 def config_to_hf(cfg: ModelConfig, d: dict) -> None:
     """The Qwen3.5 fields of an exported config.json (into d)."""
+    if cfg.shared_expert_dim:  # Qwen3.5-MoE has no dense MLP
+        d.pop("intermediate_size", None)
     d.update(linear_num_key_heads=cfg.linear_key_heads, linear_num_value_heads=cfg.linear_value_heads,
              linear_key_head_dim=cfg.linear_key_dim, linear_value_head_dim=cfg.linear_value_dim,
              linear_conv_kernel_dim=cfg.linear_conv_kernel, attention_bias=False,
@@ -78,3 +109,11 @@ def weight_names(m: dict, cfg: ModelConfig, prefix: str) -> None:
         for name in ("dt_bias", "A_log"):
             m[L + (name,)] = ([p + name], lambda w: w, lambda w: [w])
         m[L + ("norm",)] = ([p + "norm.weight"], lambda w: w, lambda w: [w])
+    if not cfg.shared_expert_dim:
+        return
+    for i in range(cfg.num_layers):  # Qwen3.5-MoE's shared expert and its gate (Linear(D, 1): [1, D])
+        p, L = f"{prefix}layers.{i}.mlp.", ("layers", i)
+        m[L + ("shared", "gate_up")] = ([p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight"],
+                                         lambda g, u: np.stack([g.T, u.T], axis=1), lambda w: [w[:, 0].T, w[:, 1].T])
+        m[L + ("shared", "down")] = ([p + "shared_expert.down_proj.weight"], lambda w: w.T, lambda w: [w.T])
+        m[L + ("shared_gate",)] = ([p + "shared_expert_gate.weight"], lambda w: w.T, lambda w: [w.T])

@@ -61,6 +61,11 @@ class Block(nnx.Module):
         self.routed = routed  # an MoE layer (its own or beside the dense MLP): takes `routes`
         self.mlp = MoE(cfg, rngs=rngs) if routed and not cfg.moe_beside_mlp else MLP(
             cfg, rngs=rngs, width=cfg.layer_mlp_dim(layer))
+        # Qwen3.5-MoE: the shared expert beside the routed ones, scaled per token by sigmoid(x shared_gate)
+        shared = routed and cfg.shared_expert_dim > 0
+        self.shared = MLP(cfg, rngs=rngs, width=cfg.shared_expert_dim) if shared else None
+        self.shared_gate = param(nnx.initializers.normal(0.02)(rngs.params(), (D, 1), pd),
+                                 ("embed", None)) if shared else None
         # Gemma 4: experts beside the MLP (HF norms: pre_feedforward_layernorm_2, post_feedforward_layernorm_1, _2)
         beside = routed and cfg.moe_beside_mlp
         self.moe = MoE(cfg, rngs=rngs) if beside else None
@@ -101,7 +106,10 @@ class Block(nnx.Module):
         x = x + h
         router = None
         if isinstance(self.mlp, moe.MoE):  # mixture of experts (models/moe.py)
-            h, router = self.mlp(self.mlp_norm(x), routes=routes)
+            n = self.mlp_norm(x)
+            h, router = self.mlp(n, routes=routes)
+            if self.shared is not None:
+                h = h + jax.nn.sigmoid(n @ self.shared_gate[...].astype(n.dtype)) * self.shared(n)
         else:
             h = self.mlp(self.mlp_norm(x))
         if self.moe is not None:  # Gemma 4: the experts see the layer's input; the router normalises its own
