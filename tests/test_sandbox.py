@@ -38,6 +38,20 @@ def test_auto_prefers_bwrap_and_the_program_runs_in_its_own_namespaces():
     assert "etc" not in interpreter and "home" not in ast.literal_eval(root)
 
 
+def test_a_fork_bomb_gets_max_processes_tasks_and_leaves_none_behind():
+    """The run's processes and threads are capped at max_processes, as root too (there the kernel skips
+    RLIMIT_NPROC for a user namespace that root owns: a pids cgroup caps the run; before it, a fork bomb filled the
+    host's PID table, ~29 000 tasks, and other processes failed to fork); nothing of the run is left after it."""
+    code = ("import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n"
+            "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
+            "except OSError as e:\n    print(n, e.errno, flush=True)\n")
+    r = Sandbox(guard=False, timeout_s=10.0, max_processes=16).run({"main.py": code})
+    n, errno = r.stdout.split()
+    assert r.backend == "bwrap" and 0 < int(n) < 16 and int(errno) == 11, r  # EAGAIN at the cap
+    assert not [d for d in os.listdir("/sys/fs/cgroup/pids") if d.startswith("posttrain-sandbox-")] if \
+        os.path.isdir("/sys/fs/cgroup/pids") else True
+
+
 def test_without_bwrap_root_falls_back_to_a_fresh_uid_and_others_are_refused(monkeypatch, fresh_modes):
     real_which = shutil.which
     monkeypatch.setattr(S.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))

@@ -12,7 +12,8 @@ The boundary, by `mode` ("auto" picks the first that works on this machine, once
   binds of /usr and the interpreter's folders, read-only `/sandbox`, a minimal /dev, and one private
   size-limited tmpfs at /tmp (cwd, HOME, TMPDIR): the only writable place. `--die-with-parent`, and
   the wall-clock limit SIGKILLs bwrap, whose namespace takes every process of the run with it (a
-  `setsid` child included).
+  `setsid` child included). As root the run also joins a fresh pids cgroup (max_processes + bwrap's two tasks): the
+  kernel does not apply RLIMIT_NPROC to a user namespace owned by root.
 - "uid" (no user namespaces, running as root): the program runs as a fresh unprivileged uid of its own
   (`setpriv`), in a folder only that uid may write; after the run every process of that uid is killed
   (a `setsid` child included). No network isolation beyond the Python guard: prefer bwrap.
@@ -134,13 +135,21 @@ class Sandbox:
             child = [self.python, "-I", "-B", "-u", f"{box_in}/_guard.py", work, f"{box_in}/{entry}", *limits]
             env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LC_ALL": "C.UTF-8",
                    "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            cgroup = None
             if backend == "bwrap":
                 argv = [_bwrap(), *_bwrap_args(self.python, box, self.disk_mb, env), "--", *child]
+                cgroup = _pids_cgroup(self.max_processes + 2) if os.geteuid() == 0 else None  # + bwrap, its init
+                if cgroup is not None:  # join it, then become bwrap: every task of the run is counted
+                    argv = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup, *argv]
             elif backend == "uid":
                 argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *child]
             else:
                 argv = child
-            return self._launch(argv, env, outer, work, stdin, uid, backend)
+            try:
+                return self._launch(argv, env, outer, work, stdin, uid, backend)
+            finally:
+                if cgroup is not None:
+                    _remove_cgroup(cgroup)
 
     def _launch(self, argv, env, outer, work, stdin, uid, backend) -> SandboxResult:
         with open(os.path.join(outer, "stdout"), "w+b") as out, open(os.path.join(outer, "stderr"), "w+b") as err, \
@@ -292,6 +301,45 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _pids_cgroup(limit: int) -> Optional[str]:
+    """As root: a fresh pids cgroup allowing `limit` tasks, or None where none can be made. Behind bwrap as root the
+    run's uid maps to root outside, and the kernel does not apply RLIMIT_NPROC to root's user: without this a fork
+    bomb filled the host's PID table (32768 tasks: every other process then failed to fork or start a thread)."""
+    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):  # cgroup v1's pids hierarchy, or v2's
+        path = os.path.join(root, f"posttrain-sandbox-{secrets.token_hex(6)}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        try:
+            with open(os.path.join(path, "pids.max"), "w") as f:
+                f.write(str(limit))
+            return path
+        except OSError:
+            os.rmdir(path)
+    return None
+
+
+def _remove_cgroup(path: str) -> None:
+    """SIGKILL whatever is left in the run's cgroup, then remove it."""
+    for _ in range(200):
+        try:
+            with open(os.path.join(path, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()]
+        except OSError:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            time.sleep(0.01)
 
 
 def _kill_uid(uid: int) -> None:
