@@ -29,6 +29,7 @@ from posttrain.errors import PosttrainError
 from posttrain.losses.logps import chunk_len
 from posttrain.models.attention import choose
 from posttrain.models.config import ModelConfig
+from posttrain.models.deltanet import CHUNK
 
 KEYS = ("parameters", "optimizer", "gradients", "activations", "kv_cache")
 
@@ -133,7 +134,7 @@ def layer_flops(cfg: ModelConfig, i: int, seq_len: int) -> int:
     if cfg.layer_type(i) == "linear":  # Gated DeltaNet: projections, then per value head the chunked rule
         Hv, Dk, Dv = cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim
         proj = D * (2 * cfg.linear_key_heads * Dk + 2 * Hv * Dv + 2 * Hv) + Hv * Dv * D
-        rule = Hv * (3 * Dk * Dv + 64 * (3 * Dk + 2 * Dv))  # S reads and update; a 64-token chunk's products
+        rule = Hv * (3 * Dk * Dv + CHUNK * (3 * Dk + 2 * Dv))  # S reads and update; a whole chunk's products
         return 2 * (proj + mlp + rule)
     proj = D * (N + cfg.layer_kv_heads(i) * cfg.layer_kv_slots(i)) * H + N * H * D
     return 2 * (proj + mlp) + 2 * 2 * N * H * seq_len

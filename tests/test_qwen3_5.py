@@ -22,21 +22,28 @@ CONFIG = dict(vocab_size=V, hidden_size=64, intermediate_size=48, num_hidden_lay
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
+    return build(tmp_path_factory, "qwen3_5_text", CONFIG)
+
+
+def build(tmp_path_factory, model_type: str, config: dict) -> str:
+    """A tiny random transformers checkpoint of `model_type`, saved; its vectors drawn away from their init so each
+    one matters (routers and the shared-expert gate of an MoE too)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_text", **CONFIG), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config), dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.2 * torch.randn_like(p))
-            elif "embed" in name or "lm_head" in name:
+            elif "embed" in name or "lm_head" in name or name.endswith(("mlp.gate.weight",
+                                                                         "shared_expert_gate.weight")):
                 p.normal_(0.0, 0.5)
             elif "dt_bias" in name:
                 p.add_(0.5 * torch.randn_like(p))
             elif "A_log" in name:  # mild decay (HF draws A up to 16: the state would be forgotten at once)
                 p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
-    path = os.fspath(tmp_path_factory.mktemp("qwen3_5") / "hf")
+    path = os.fspath(tmp_path_factory.mktemp(model_type) / "hf")
     model.save_pretrained(path)
     return path
 

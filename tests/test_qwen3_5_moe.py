@@ -1,13 +1,10 @@
 """Qwen3.5-MoE text (qwen3_5_moe_text: the Qwen3.5 hybrid with a sparse block on every layer, a shared expert gated
 per token beside the routed experts) against Hugging Face transformers, on a tiny random checkpoint built locally."""
 
-import os
-
 import jax
 import numpy as np
 import pytest
-import torch
-from test_qwen3_5 import _batch, _diff, _fwd, _hf, _hf_logits
+from test_qwen3_5 import _batch, _diff, _fwd, _hf, _hf_logits, build
 
 from posttrain.models import from_pretrained, save_pretrained
 
@@ -21,25 +18,7 @@ CONFIG = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_h
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_5_moe_text", **CONFIG), dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            elif "embed" in name or "lm_head" in name:
-                p.normal_(0.0, 0.5)
-            elif "dt_bias" in name:
-                p.add_(0.5 * torch.randn_like(p))
-            elif "A_log" in name:
-                p.copy_(torch.empty_like(p).uniform_(0.02, 0.3).log())
-            elif "mlp.gate" in name or "shared_expert_gate" in name:  # routers and the shared gate that matter
-                p.normal_(0.0, 0.5)
-    path = os.fspath(tmp_path_factory.mktemp("qwen3_5_moe") / "hf")
-    model.save_pretrained(path)
-    return path
+    return build(tmp_path_factory, "qwen3_5_moe_text", CONFIG)
 
 
 def test_config_reads_the_moe_fields(ckpt):

@@ -330,11 +330,7 @@ def _remove_cgroup(path: str) -> None:
                 pids = [int(p) for p in f.read().split()]
         except OSError:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _sigkill(pids)
         try:
             os.rmdir(path)
             return
@@ -355,12 +351,16 @@ def _kill_uid(uid: int) -> None:
                     pass
         if not pids:
             return
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        _sigkill(pids)
         time.sleep(0.01)
+
+
+def _sigkill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _read_head(fh, max_bytes: int) -> str:
