@@ -327,7 +327,35 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     checked: set = set()
     handles: dict = {}
     wmap = weight_map(cfg, head, prefix)
+    fused_map = qwen3_5.fused_names(cfg, prefix)  # Qwen3-Next: names held inside one fused tensor on disk
+    fused = {part: (key, j) for key, (parts, _, _) in fused_map.items() for j, part in enumerate(parts)}
     flat = dict(nnx.to_flat_state(state))
+
+    def read(name):
+        if name in fused and name not in files:
+            key, j = fused[name]
+            whole = read(key)
+            try:
+                return fused_map[key][1](whole)[j]
+            except ValueError:
+                raise PosttrainError(f"{path}: tensor {key!r} {whole.shape} does not split into the linear heads "
+                                     "config.json gives; restore the checkpoint's own config.json") from None
+        if name not in files:
+            hint = "the folder does not match its config.json (wrong or partial checkpoint)"
+            if name == "score.weight":
+                hint = ("it is not a sequence classifier (reward model); attach a new head with "
+                        "models.heads.attach_score_head instead")
+            elif "score.weight" in files:
+                hint = ("it is a sequence classifier (reward model): load it with head='score', or "
+                        "with posttrain.rewards.RewardModel")
+            raise PosttrainError(f"{path}: tensor {name!r} is missing from the checkpoint; {hint}")
+        fname = files[name]
+        if fname not in checked:
+            _check_safetensors(fname)
+            checked.add(fname)
+            handles[fname] = safe_open(fname, "numpy")
+        return handles[fname].get_tensor(name)
+
     try:
         for key, var in flat.items():
             if key not in wmap:
@@ -335,23 +363,7 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
             names, load = wmap[key][:2]
             if names[0] not in files and len(wmap[key]) > 3 and wmap[key][3][0][0] in files:
                 names, load = wmap[key][3]
-            arrays = []
-            for name in names:
-                if name not in files:
-                    hint = "the folder does not match its config.json (wrong or partial checkpoint)"
-                    if name == "score.weight":
-                        hint = ("it is not a sequence classifier (reward model); attach a new head with "
-                                "models.heads.attach_score_head instead")
-                    elif "score.weight" in files:
-                        hint = ("it is a sequence classifier (reward model): load it with head='score', or "
-                                "with posttrain.rewards.RewardModel")
-                    raise PosttrainError(f"{path}: tensor {name!r} is missing from the checkpoint; {hint}")
-                fname = files[name]
-                if fname not in checked:
-                    _check_safetensors(fname)
-                    checked.add(fname)
-                    handles[fname] = safe_open(fname, "numpy")
-                arrays.append(handles[fname].get_tensor(name))
+            arrays = [read(name) for name in names]
             try:
                 value = load(*arrays)
             except ValueError:
@@ -400,6 +412,8 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
         arr = np.asarray(jax.device_get(flat[key][...])).astype(out_dtype)
         for n, a in zip(names, save(arr)):
             tensors[n] = np.ascontiguousarray(a)
+    for key, (parts, _, join) in qwen3_5.fused_names(cfg).items():  # Qwen3-Next's fused tensors
+        tensors[key] = np.ascontiguousarray(join(*(tensors.pop(p) for p in parts)))
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
     tmp = None

@@ -10,8 +10,8 @@ from posttrain.models import gemma4, qwen3_5
 from posttrain.models.config import ModelConfig, RopeConfig
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_moe",
-             "mixtral", "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text")
-MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text")  # mixture-of-experts families (models/moe.py)
+             "mixtral", "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")  # mixture-of-experts families (models/moe.py)
 
 # ----------------------------------------------------------------------------- config
 
@@ -65,6 +65,7 @@ _DEFAULTS = {
                     attention_bias=True),
     qwen3_5.MODEL_TYPE: qwen3_5.DEFAULTS,
     qwen3_5.MOE_TYPE: qwen3_5.MOE_DEFAULTS,
+    qwen3_5.NEXT_TYPE: qwen3_5.NEXT_DEFAULTS,
 }
 # transformers' default_theta (10 000 for the rest; Gemma 3 below)
 _DEFAULT_THETA = {"mixtral": 1_000_000.0, "gpt_oss": 150_000.0}
@@ -285,7 +286,7 @@ def _moe_from_hf(hf, mt: str, where: str) -> dict:
         return dict(num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
                     expert_mlp_dim=hf.intermediate_size, norm_topk_prob=True, router_bias=True, expert_bias=True,
                     expert_act="gpt_oss", router_aux_loss_coef=float(hf.router_aux_loss_coef))
-    if mt == qwen3_5.MOE_TYPE:
+    if mt in (qwen3_5.MOE_TYPE, qwen3_5.NEXT_TYPE):
         return qwen3_5.moe_fields(hf)
     if mt == "mixtral":
         return dict(num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
@@ -372,8 +373,8 @@ def _moe_to_hf(cfg: ModelConfig, mt: str) -> dict:
         return dict(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
                     intermediate_size=cfg.expert_mlp_dim, router_aux_loss_coef=cfg.router_aux_loss_coef,
                     attention_bias=cfg.qkv_bias)
-    if mt == qwen3_5.MOE_TYPE:
-        return qwen3_5.moe_to_hf(cfg)
+    if mt in (qwen3_5.MOE_TYPE, qwen3_5.NEXT_TYPE):
+        return qwen3_5.moe_to_hf(cfg, mt)
     if mt == "mixtral":
         if cfg.dense_layers or not cfg.norm_topk_prob or not cfg.num_experts:
             raise PosttrainError("cannot export as mixtral: Mixtral has experts on every layer (dense_layers = ()) "
@@ -391,7 +392,7 @@ _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwe
          "mistral": "MistralForCausalLM", "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM",
          "gemma3_text": "Gemma3ForCausalLM", "gemma4_text": "Gemma4ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
          "mixtral": "MixtralForCausalLM", "gpt_oss": "GptOssForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
-         "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
+         "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
 # transformers' sequence-classification class of each family (gemma3_text: the text-only one).
 CLS_ARCH = {"llama": "LlamaForSequenceClassification", "qwen2": "Qwen2ForSequenceClassification",
             "qwen3": "Qwen3ForSequenceClassification", "mistral": "MistralForSequenceClassification",

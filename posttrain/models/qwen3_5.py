@@ -16,7 +16,13 @@ Qwen3.5-MoE text (`qwen3_5_moe_text`, `Qwen3_5MoeForCausalLM`) is the same with 
 softmax router with renormalised top-k weights over fused experts, plus a shared expert (a gated MLP of
 `shared_expert_intermediate_size`) scaled per token by sigmoid(shared_expert_gate(x)).
 
-What it is not: the vision tower of a `qwen3_5` / `qwen3_5_moe` folder, Qwen3-Next.
+Qwen3-Next (`qwen3_next`, `Qwen3NextForCausalLM`) is the model Qwen3.5-MoE was derived from: the same layers, but
+each linear layer's projections are fused and interleaved by key-head group on disk (`in_proj_qkvz`: per group
+[q | k | v | z], `in_proj_ba`: per group [b | a]; `fused_names` splits and joins them), its dense layers
+(`mlp_only_layers`, `decoder_sparse_step`) are plain MLPs of `intermediate_size`, and `norm_topk_prob` is a choice.
+In memory it is a Qwen3.5-MoE model (the same parameters), so everything that runs one runs the other.
+
+What it is not: the vision tower of a `qwen3_5` / `qwen3_5_moe` folder; the multi-token-prediction layer.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from posttrain.models.config import ModelConfig
 
 MODEL_TYPE = "qwen3_5_text"
 MOE_TYPE = "qwen3_5_moe_text"
-TYPES = (MODEL_TYPE, MOE_TYPE)
+NEXT_TYPE = "qwen3_next"
+TYPES = (MODEL_TYPE, MOE_TYPE, NEXT_TYPE)
 DEFAULTS = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
                 num_attention_heads=16, num_key_value_heads=4, head_dim=256, max_position_embeddings=32768,
                 linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -39,10 +46,19 @@ MOE_DEFAULTS = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, n
                     linear_num_value_heads=32, full_attention_interval=4, moe_intermediate_size=512,
                     shared_expert_intermediate_size=512, num_experts_per_tok=8, num_experts=256,
                     router_aux_loss_coef=0.001)
+NEXT_DEFAULTS = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=48,
+                     num_attention_heads=16, num_key_value_heads=2, head_dim=256, max_position_embeddings=32768,
+                     linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                     linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1,
+                     moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts_per_tok=10,
+                     num_experts=512, norm_topk_prob=True, router_aux_loss_coef=0.001, mlp_only_layers=None)
 
 
 def post_init(d: dict) -> None:
-    """Qwen3_5TextConfig.__post_init__: layer types from full_attention_interval; partial rotary 0.25."""
+    """Qwen3_5TextConfig / Qwen3NextConfig.__post_init__: layer types from full_attention_interval; partial rotary
+    0.25; no dense-only layers."""
+    if d.get("mlp_only_layers") is None:
+        d["mlp_only_layers"] = []
     if d.get("layer_types") is None:
         every = d.get("full_attention_interval") or 4
         d["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention"
@@ -69,14 +85,31 @@ def config_fields(hf, where: str) -> dict:
 
 
 def moe_fields(hf) -> dict:
-    """The mixture-of-experts ModelConfig fields of a Qwen3_5MoeTextConfig (every layer sparse)."""
+    """The mixture-of-experts ModelConfig fields of a Qwen3_5MoeTextConfig (every layer sparse, renormalised
+    top-k) or a Qwen3NextConfig (dense layers where `mlp_only_layers` or `decoder_sparse_step` say; no experts at
+    all when num_experts is 0)."""
+    if hf.model_type == NEXT_TYPE and hf.num_experts <= 0:
+        return {}
+    dense = ()
+    if hf.model_type == NEXT_TYPE:
+        only, step = set(hf.mlp_only_layers or ()), hf.decoder_sparse_step or 1
+        dense = tuple(i for i in range(hf.num_hidden_layers) if i in only or (i + 1) % step)
     return dict(num_experts=hf.num_experts, experts_per_token=hf.num_experts_per_tok,
-                expert_mlp_dim=hf.moe_intermediate_size, norm_topk_prob=True,
+                expert_mlp_dim=hf.moe_intermediate_size, dense_layers=dense,
+                norm_topk_prob=hf.model_type == MOE_TYPE or bool(hf.norm_topk_prob),
                 shared_expert_dim=hf.shared_expert_intermediate_size,
                 router_aux_loss_coef=float(hf.router_aux_loss_coef))
 
 
-def moe_to_hf(cfg: ModelConfig) -> dict:
+def moe_to_hf(cfg: ModelConfig, model_type: str = MOE_TYPE) -> dict:
+    """The mixture-of-experts fields of an exported Qwen3.5-MoE or Qwen3-Next config.json."""
+    if model_type == NEXT_TYPE:
+        if cfg.num_experts and not cfg.shared_expert_dim:
+            raise PosttrainError("cannot export as qwen3_next: its sparse layers have a shared expert")
+        return dict(num_experts=cfg.num_experts, num_experts_per_tok=max(cfg.experts_per_token, 1),
+                    moe_intermediate_size=cfg.expert_mlp_dim or cfg.mlp_dim, norm_topk_prob=cfg.norm_topk_prob,
+                    shared_expert_intermediate_size=cfg.shared_expert_dim or cfg.mlp_dim, decoder_sparse_step=1,
+                    mlp_only_layers=sorted(cfg.dense_layers), router_aux_loss_coef=cfg.router_aux_loss_coef)
     if cfg.dense_layers or not cfg.norm_topk_prob or not cfg.num_experts or not cfg.shared_expert_dim:
         raise PosttrainError("cannot export as qwen3_5_moe_text: Qwen3.5-MoE has experts on every layer, "
                              "renormalised top-k weights and a shared expert")
@@ -87,7 +120,7 @@ def moe_to_hf(cfg: ModelConfig) -> dict:
 
 def config_to_hf(cfg: ModelConfig, d: dict) -> None:
     """The Qwen3.5 fields of an exported config.json (into d)."""
-    if cfg.shared_expert_dim:  # Qwen3.5-MoE has no dense MLP
+    if cfg.shared_expert_dim and cfg.family == "qwen3_5_moe":  # Qwen3.5-MoE has no dense MLP
         d.pop("intermediate_size", None)
     d.update(linear_num_key_heads=cfg.linear_key_heads, linear_num_value_heads=cfg.linear_value_heads,
              linear_key_head_dim=cfg.linear_key_dim, linear_value_head_dim=cfg.linear_value_dim,
@@ -96,9 +129,50 @@ def config_to_hf(cfg: ModelConfig, d: dict) -> None:
                           for i in range(cfg.num_layers)])
 
 
+def fused_names(cfg: ModelConfig, prefix: str = "model.") -> dict:
+    """Qwen3-Next's fused on-disk tensors: HF key -> (the Qwen3.5 keys it holds, split(fused) -> their arrays,
+    join(*arrays) -> fused). Every linear layer's `in_proj_qkvz` [Kh * (2 dk + 2 r dv), D] holds, per key head g,
+    [q_g | k_g | v and z of its r = value heads / key heads value heads], and `in_proj_ba` [Kh * 2r, D] per key
+    head [b_g | a_g]; Qwen3.5's in_proj_qkv is [all q | all k | all v], in_proj_z, _b, _a one row per value head,
+    value heads in order (head h reads key head h // r in both)."""
+    if cfg.family != "qwen3_next":
+        return {}
+    Kh, dk, dv = cfg.linear_key_heads, cfg.linear_key_dim, cfg.linear_value_dim
+    r = cfg.linear_value_heads // Kh
+    sizes = (dk, dk, r * dv, r * dv)
+
+    def split_qkvz(w):
+        q, k, v, z = np.split(w.reshape(Kh, sum(sizes), -1), np.cumsum(sizes)[:-1], axis=1)
+        return [np.concatenate([x.reshape(-1, w.shape[-1]) for x in (q, k, v)]), z.reshape(-1, w.shape[-1])]
+
+    def join_qkvz(qkv, z):
+        D = qkv.shape[-1]
+        q, k, v = np.split(qkv, [Kh * dk, 2 * Kh * dk])
+        parts = (q.reshape(Kh, dk, D), k.reshape(Kh, dk, D), v.reshape(Kh, r * dv, D), z.reshape(Kh, r * dv, D))
+        return np.concatenate(parts, axis=1).reshape(-1, D)
+
+    def split_ba(w):
+        b, a = np.split(w.reshape(Kh, 2 * r, -1), 2, axis=1)
+        return [b.reshape(-1, w.shape[-1]), a.reshape(-1, w.shape[-1])]
+
+    def join_ba(b, a):
+        D = b.shape[-1]
+        return np.concatenate([b.reshape(Kh, r, D), a.reshape(Kh, r, D)], axis=1).reshape(-1, D)
+
+    out = {}
+    for i in range(cfg.num_layers):
+        if cfg.layer_type(i) == "linear":
+            p = f"{prefix}layers.{i}.linear_attn."
+            out[p + "in_proj_qkvz.weight"] = ([p + "in_proj_qkv.weight", p + "in_proj_z.weight"], split_qkvz,
+                                              join_qkvz)
+            out[p + "in_proj_ba.weight"] = ([p + "in_proj_b.weight", p + "in_proj_a.weight"], split_ba, join_ba)
+    return out
+
+
 def weight_names(m: dict, cfg: ModelConfig, prefix: str) -> None:
     """posttrain path -> (HF keys, load, save) for each linear-attention layer's Gated DeltaNet (HF Linear weights
-    are [out, in], ours [in, out]; conv1d.weight [C, 1, K] is kept as [C, K])."""
+    are [out, in], ours [in, out]; conv1d.weight [C, 1, K] is kept as [C, K]). Qwen3-Next's layers are named
+    as Qwen3.5's here; `fused_names` maps them to its fused tensors."""
     for i in range(cfg.num_layers):
         if cfg.layer_type(i) != "linear":
             continue
@@ -111,7 +185,9 @@ def weight_names(m: dict, cfg: ModelConfig, prefix: str) -> None:
         m[L + ("norm",)] = ([p + "norm.weight"], lambda w: w, lambda w: [w])
     if not cfg.shared_expert_dim:
         return
-    for i in range(cfg.num_layers):  # Qwen3.5-MoE's shared expert and its gate (Linear(D, 1): [1, D])
+    for i in range(cfg.num_layers):  # each sparse layer's shared expert and its gate (Linear(D, 1): [1, D])
+        if not cfg.is_moe_layer(i):
+            continue
         p, L = f"{prefix}layers.{i}.mlp.", ("layers", i)
         m[L + ("shared", "gate_up")] = ([p + "shared_expert.gate_proj.weight", p + "shared_expert.up_proj.weight"],
                                          lambda g, u: np.stack([g.T, u.T], axis=1), lambda w: [w[:, 0].T, w[:, 1].T])
