@@ -95,9 +95,11 @@ def _hf_layer(value_heads=4):
     ours = deltanet.GatedDeltaNet(48, key_heads=2, value_heads=value_heads, key_dim=16, value_dim=12, kernel=4,
                                   eps=1e-6, rngs=nnx.Rngs(0))
     t = {k: v.detach().numpy() for k, v in hf.state_dict().items()}
-    for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+    for name in ("in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
         getattr(ours, name)[...] = jnp.asarray(t[f"{name}.weight"].T)
-    ours.conv[...] = jnp.asarray(t["conv1d.weight"][:, 0])
+    perm = deltanet.grouped_channels(2, value_heads, 16, 12)  # our channels grouped by key head
+    ours.in_proj_qkv[...] = jnp.asarray(t["in_proj_qkv.weight"][perm].T)
+    ours.conv[...] = jnp.asarray(t["conv1d.weight"][perm, 0])
     ours.dt_bias[...], ours.A_log[...], ours.norm[...] = (jnp.asarray(t[k]) for k in ("dt_bias", "A_log",
                                                                                        "norm.weight"))
     return hf, ours

@@ -8,6 +8,7 @@ mesh, and checks the losses and parameters agree and stay placed by the preset's
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -402,8 +403,21 @@ def test_a_hybrid_model_trains_and_samples_like_one_device():
 
     out = assert_sharded_like_single_device(build, sft_batch(), ALL_PRESETS, steps=2)
     assert out["single"][0][1] < out["single"][0][0]
-    z = out["tp"][1].params["layers"][0]["linear"]["in_proj_z"]
-    assert _norm(z.sharding.spec) == (None, "tensor")  # the value heads over the model axis
+    lin = out["tp"][1].params["layers"][0]["linear"]
+    for name in ("in_proj_qkv", "in_proj_z", "in_proj_b"):  # key-head groups and value heads over the model axis
+        assert _norm(lin[name].sharding.spec) == (None, "tensor"), name
+    assert _norm(lin["conv"].sharding.spec) == ("tensor",)
+    # so a linear layer's forward under tp is local to each device's heads but for the output projection's sum
+    # (before, with HF's [all q | all k | all v] channel order and in_proj_qkv replicated: 8 collective-permutes)
+    m = model()
+    mesh, rules = sh.make_mesh("tp"), sh.preset_rules("tp")
+    nnx.update(m, sh.shard_state(nnx.state(m), mesh, rules))
+    graphdef, state = nnx.split(m.layers[0].linear)
+    with sh.use_mesh(mesh, rules):
+        hlo = jax.jit(lambda s, x: nnx.merge(graphdef, s)(x)[0]).lower(state, jnp.ones((2, 32, 64))).compile()
+    collectives = re.findall(r"(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)[-a-z]*\(",
+                             hlo.as_text())
+    assert collectives == ["all-reduce"], collectives
     rng = np.random.default_rng(4)
     prompts = [rng.integers(3, 128, int(rng.integers(2, 9))).tolist() for _ in range(8)]
     params = SamplingParams(max_new_tokens=8, temperature=0.0)

@@ -248,7 +248,11 @@ class GatedDeltaNet(nnx.Module):
     gated by SiLU(z), and the output projection.
 
     Parameter names follow HF's (`in_proj_qkv` [D, 2 Hk Dk + Hv Dv], `in_proj_z`, `in_proj_b`, `in_proj_a`,
-    `conv` [C, K] = HF `conv1d.weight[:, 0]`, `dt_bias`, `A_log`, `norm`, `out_proj`), stored [in, out]."""
+    `conv` [C, K] = HF `conv1d.weight[:, 0]`, `dt_bias`, `A_log`, `norm`, `out_proj`), stored [in, out].
+    One difference: the channels of `in_proj_qkv` and `conv` are grouped by key head, [q_g | k_g | v of the
+    r = Hv / Hk value heads that read key head g] for each g (`grouped_channels` gives HF's [all q | all k | all v]
+    order), so that under tensor parallelism each device holds whole key-head groups and computes its heads'
+    delta rule without gathering q, k or v."""
 
     def __init__(self, embed_dim: int, *, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
                  kernel: int = 4, eps: float = 1e-6, param_dtype=jnp.float32, dtype=jnp.float32,
@@ -261,13 +265,13 @@ class GatedDeltaNet(nnx.Module):
         init = nnx.initializers.normal(0.02)
         self.Hk, self.Hv, self.Dk, self.Dv, self.K = key_heads, value_heads, key_dim, value_dim, kernel
         self.channels = 2 * key_heads * key_dim + value_heads * value_dim
-        self.in_proj_qkv = param(init(rngs.params(), (D, self.channels), pd), ("embed", None))
-        # the value heads' own projections split over the model axis by heads (tp: each device a block of whole
-        # heads when the axis divides them); in_proj_qkv's [q | k | v] columns are not head-contiguous: replicated
+        # every projection split over the model axis by heads (tp: each device a block of whole key-head groups
+        # and their value heads when the axis divides the key heads)
+        self.in_proj_qkv = param(init(rngs.params(), (D, self.channels), pd), ("embed", "heads"))
         self.in_proj_z = param(init(rngs.params(), (D, value_heads * value_dim), pd), ("embed", "heads"))
         self.in_proj_b = param(init(rngs.params(), (D, value_heads), pd), ("embed", "heads"))
         self.in_proj_a = param(init(rngs.params(), (D, value_heads), pd), ("embed", "heads"))
-        self.conv = param(init(rngs.params(), (self.channels, kernel), pd), (None, None))
+        self.conv = param(init(rngs.params(), (self.channels, kernel), pd), ("heads", None))
         self.dt_bias = param(jnp.ones((value_heads,), pd), (None,))
         self.A_log = param(jnp.log(jnp.linspace(1.0, 16.0, value_heads)).astype(pd), (None,))
         self.norm = param(jnp.ones((value_dim,), pd), (None,))
@@ -318,10 +322,9 @@ class GatedDeltaNet(nnx.Module):
         else:
             mixed, conv_state = branch_conv(mixed, self.conv[...], branches), state.conv
         mixed = jax.nn.silu(mixed)
-        kd = self.Hk * self.Dk
-        q = mixed[..., :kd].reshape(B, T, self.Hk, self.Dk)
-        k = mixed[..., kd:2 * kd].reshape(B, T, self.Hk, self.Dk)
-        v = mixed[..., 2 * kd:].reshape(B, T, self.Hv, self.Dv)
+        grouped = mixed.reshape(B, T, self.Hk, self.channels // self.Hk)  # per key head [q | k | its v heads]
+        q, k = grouped[..., :self.Dk], grouped[..., self.Dk:2 * self.Dk]
+        v = grouped[..., 2 * self.Dk:].reshape(B, T, self.Hv, self.Dv)
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a.astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32))
@@ -344,6 +347,16 @@ class GatedDeltaNet(nnx.Module):
         o = (o.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
         y = self._project("out_proj", o.reshape(B, T, self.Hv * self.Dv))
         return y, LinearState(conv_state, rec)
+
+
+def grouped_channels(key_heads: int, value_heads: int, key_dim: int, value_dim: int):
+    """The HF channel of each of our in_proj_qkv / conv channels: ours = HF[..., perm] (HF: [all q | all k | all
+    v]; ours: per key head g [q_g | k_g | v_g], v_g the value heads g r .. g r + r - 1, r = value / key heads)."""
+    import numpy as np
+
+    Hk, Dk, rv = key_heads, key_dim, value_heads // key_heads * value_dim
+    return np.concatenate([np.concatenate([g * Dk + np.arange(Dk), (Hk + g) * Dk + np.arange(Dk),
+                                           2 * Hk * Dk + g * rv + np.arange(rv)]) for g in range(Hk)])
 
 
 def rms_normalize_f32(x, eps: float):

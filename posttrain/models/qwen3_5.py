@@ -31,6 +31,7 @@ import numpy as np
 
 from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig
+from posttrain.models.deltanet import grouped_channels
 
 MODEL_TYPE = "qwen3_5_text"
 MOE_TYPE = "qwen3_5_moe_text"
@@ -173,13 +174,19 @@ def weight_names(m: dict, cfg: ModelConfig, prefix: str) -> None:
     """posttrain path -> (HF keys, load, save) for each linear-attention layer's Gated DeltaNet (HF Linear weights
     are [out, in], ours [in, out]; conv1d.weight [C, 1, K] is kept as [C, K]). Qwen3-Next's layers are named
     as Qwen3.5's here; `fused_names` maps them to its fused tensors."""
+    linear = any(cfg.layer_type(i) == "linear" for i in range(cfg.num_layers))
+    perm = linear and grouped_channels(cfg.linear_key_heads, cfg.linear_value_heads, cfg.linear_key_dim,
+                                       cfg.linear_value_dim)
+    inv = linear and np.argsort(perm)
     for i in range(cfg.num_layers):
         if cfg.layer_type(i) != "linear":
             continue
         p, L = f"{prefix}layers.{i}.linear_attn.", ("layers", i, "linear")
-        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        for name in ("in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
             m[L + (name,)] = ([p + name + ".weight"], lambda w: w.T, lambda w: [w.T])
-        m[L + ("conv",)] = ([p + "conv1d.weight"], lambda w: w[:, 0], lambda w: [np.asarray(w)[:, None]])
+        # in_proj_qkv's and conv's channels grouped by key head here (models/deltanet.py), HF's [q | k | v] there
+        m[L + ("in_proj_qkv",)] = ([p + "in_proj_qkv.weight"], lambda w: w[perm].T, lambda w: [w.T[inv]])
+        m[L + ("conv",)] = ([p + "conv1d.weight"], lambda w: w[perm, 0], lambda w: [np.asarray(w)[inv, None]])
         for name in ("dt_bias", "A_log"):
             m[L + (name,)] = ([p + name], lambda w: w, lambda w: [w])
         m[L + ("norm",)] = ([p + "norm.weight"], lambda w: w, lambda w: [w])
