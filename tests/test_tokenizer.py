@@ -3,6 +3,7 @@
 never by calling the code under test."""
 
 import json
+from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
@@ -231,3 +232,27 @@ def test_template_variables_render_as_transformers(tmp_path):
                                                                                               **kw)
         assert ours.apply_chat_template(msgs, **kw) == hf.apply_chat_template(msgs, return_dict=False, **kw)
     assert ours.apply_chat_template(msgs, tokenize=False, reasoning_effort="b").startswith("<s>b ")
+
+
+def test_gpt_oss_chat_template_renders_as_transformers(tmp_path):
+    """GPT-OSS's own chat template (the copy TRL ships, trl/chat_templates/gptoss.jinja: harmony channels, the
+    `reasoning_effort` system line, developer instructions, tools, an assistant's thinking) renders as
+    transformers renders it, text and ids, for each reasoning effort."""
+    import trl
+
+    template = Path(trl.__file__).parent / "chat_templates" / "gptoss.jinja"
+    path = word_level_folder(tmp_path)
+    (path / "chat_template.jinja").write_text(template.read_text())
+    hf = PreTrainedTokenizerFast.from_pretrained(str(path))
+    ours = Tokenizer.from_pretrained(str(path))
+    tools = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a"]}}}]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b"},
+            {"role": "assistant", "content": "b a", "thinking": "a then b"}, {"role": "user", "content": "b"}]
+    for kw in ({}, {"reasoning_effort": "high"}, {"reasoning_effort": "low", "add_generation_prompt": True},
+               {"tools": tools, "add_generation_prompt": True}):
+        text = ours.apply_chat_template(msgs, tokenize=False, **kw)
+        assert text == hf.apply_chat_template(msgs, tokenize=False, **kw), kw
+        assert ours.apply_chat_template(msgs, **kw) == hf.apply_chat_template(msgs, return_dict=False, **kw)
+        assert f"Reasoning: {kw.get('reasoning_effort', 'medium')}" in text
+    assert "namespace functions {" in text and "type add = " in text and text.endswith("<|start|>assistant")
