@@ -27,7 +27,7 @@ def _both(folder, raw=None):
 
 
 TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_moe", "mixtral",
-         "qwen3_5_text", "qwen3_5_moe_text")
+         "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -65,6 +65,13 @@ LEGACY = {
     "qwen3_moe_num_experts": dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
                                   decoder_sparse_step=2, mlp_only_layers=[0], head_dim=16, norm_topk_prob=True),
     "mixtral_minimal": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_next_sparse_step": dict(model_type="qwen3_next", num_hidden_layers=6, decoder_sparse_step=2,
+                                   mlp_only_layers=[3], norm_topk_prob=False, full_attention_interval=3),
+    "qwen3_next_dense": dict(model_type="qwen3_next", num_hidden_layers=4, num_experts=0),
+    "qwen3_next_yarn_rope_scaling": dict(model_type="qwen3_next", num_hidden_layers=4, rope_theta=1e7,
+                                         rope_scaling=dict(rope_type="yarn", factor=4.0,
+                                                           original_max_position_embeddings=32768)),
+    "qwen3_5_partial_half": dict(model_type="qwen3_5_text", num_hidden_layers=4, partial_rotary_factor=0.5),
     "gemma4_text_defaults": dict(model_type="gemma4_text", num_hidden_layers=5),
     "gemma4_multimodal": dict(model_type="gemma4", tie_word_embeddings=False,
                               text_config=dict(model_type="gemma4_text", num_hidden_layers=4, hidden_size=32,

@@ -133,3 +133,51 @@ def test_presets_count_like_transformers(name, model_type, billions):
         ref = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf_cfg.pop("model_type"), **hf_cfg))
     assert n == sum(p.numel() for p in ref.parameters())
     assert abs(n / 1e9 - billions) < 0.05
+
+
+@pytest.mark.parity
+@pytest.mark.parametrize("rope", [
+    {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                         "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}},
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 1000.0}])  # legacy: 0.25 by default
+def test_scaled_rope_keeps_the_partial_rotary_factor(tmp_path_factory, rope):
+    """YaRN / linear RoPE on a Qwen3-Next model rotate the first quarter of each head as transformers does (the
+    partial factor was dropped for scaled kinds: the whole head rotated)."""
+    path = build(tmp_path_factory, "qwen3_next", dict(CONFIG, **rope))
+    ours = from_pretrained(path)
+    assert ours.cfg.rope.partial == 0.25 and ours.cfg.rope.kind == rope.get("rope_parameters",
+                                                                           rope.get("rope_scaling"))["rope_type"]
+    toks, mask, pos, lens = _batch(80, seed=5)
+    want = _hf_logits(_hf(path), toks, mask, pos)
+    got = np.asarray(_fwd(ours, jax.numpy.asarray(toks), jax.numpy.asarray(pos), jax.numpy.asarray(mask)))
+    assert _diff(got, want, lens) <= 1e-4
+
+
+def test_a_sparse_layer_without_a_shared_expert_is_an_error_naming_the_key(tmp_path):
+    import json
+
+    from posttrain.errors import PosttrainError
+    from posttrain.models.hf import load_config
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(model_type="qwen3_next", num_hidden_layers=4,
+                                                          shared_expert_intermediate_size=0)))
+    with pytest.raises(PosttrainError, match="shared_expert_intermediate_size = 0"):
+        load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("field,value", [("linear_value_head_dim", 10), ("linear_num_key_heads", 3)])
+def test_fused_tensors_that_do_not_match_config_json_are_an_error(ckpt, tmp_path, field, value):
+    """A config.json whose linear heads do not split the fused tensors: a PosttrainError naming a tensor, not a
+    numpy reshape error or a silently wrong model."""
+    import json
+    import shutil
+
+    from posttrain.errors import PosttrainError
+
+    folder = tmp_path / "bad"
+    shutil.copytree(ckpt, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[field] = value
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PosttrainError, match="in_proj_qkvz|in_proj_ba|tensor shape mismatch"):
+        from_pretrained(str(folder))

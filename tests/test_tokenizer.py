@@ -236,8 +236,8 @@ def test_template_variables_render_as_transformers(tmp_path):
 
 def test_gpt_oss_chat_template_renders_as_transformers(tmp_path):
     """GPT-OSS's own chat template (the copy TRL ships, trl/chat_templates/gptoss.jinja: harmony channels, the
-    `reasoning_effort` system line, developer instructions, tools, an assistant's thinking) renders as
-    transformers renders it, text and ids, for each reasoning effort."""
+    `reasoning_effort` system line, developer instructions, tools, a tool call and its result, the final
+    assistant turn's thinking) renders as transformers renders it, text and ids."""
     import trl
 
     template = Path(trl.__file__).parent / "chat_templates" / "gptoss.jinja"
@@ -256,3 +256,13 @@ def test_gpt_oss_chat_template_renders_as_transformers(tmp_path):
         assert ours.apply_chat_template(msgs, **kw) == hf.apply_chat_template(msgs, return_dict=False, **kw)
         assert f"Reasoning: {kw.get('reasoning_effort', 'medium')}" in text
     assert "namespace functions {" in text and "type add = " in text and text.endswith("<|start|>assistant")
+    # a tool call and its result, then a final answer whose thinking renders (the last assistant turn's only)
+    calls = [{"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
+    msgs = [{"role": "user", "content": "a b"}, {"role": "assistant", "content": "", "tool_calls": calls},
+            {"role": "tool", "content": "3"}, {"role": "assistant", "content": "b a", "thinking": "a then b"}]
+    text = ours.apply_chat_template(msgs, tokenize=False, tools=tools)
+    assert text == hf.apply_chat_template(msgs, tokenize=False, tools=tools)
+    assert ours.apply_chat_template(msgs, tools=tools) == hf.apply_chat_template(msgs, return_dict=False, tools=tools)
+    for part in ("to=functions.add", '{"a": 1, "b": 2}<|call|>', "<|channel|>analysis<|message|>a then b",
+                 "<|channel|>final<|message|>b a<|return|>"):
+        assert part in text, part

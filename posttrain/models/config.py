@@ -111,7 +111,7 @@ class ModelConfig:
     linear_value_heads: int = 0  # Gated DeltaNet value heads (a multiple of linear_key_heads)
     linear_key_dim: int = 0  # size of a key head
     linear_value_dim: int = 0  # size of a value head
-    linear_conv_kernel: int = 4  # taps of the causal depthwise convolution over [q | k | v]
+    linear_conv_kernel: int = 4  # taps of the causal depthwise convolution over the q, k, v channels
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",

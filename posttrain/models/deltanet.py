@@ -243,7 +243,7 @@ def causal_conv(x, weight, past, segments=None):
 class GatedDeltaNet(nnx.Module):
     """The linear-attention layer of Qwen3.5 / Qwen3-Next (transformers' `Qwen3_5GatedDeltaNet`): projections
     to q, k, v (Hk key heads of Dk, Hv value heads of Dv; q and k repeated to Hv heads), a causal depthwise
-    convolution (kernel K) with SiLU over [q | k | v], the gated delta rule with beta = sigmoid(b) and log
+    convolution (kernel K) with SiLU over the q, k, v channels, the gated delta rule with beta = sigmoid(b) and log
     decay g = -exp(A_log) softplus(a + dt_bias), an RMS norm of each head's output (weight w, not 1 + w)
     gated by SiLU(z), and the output projection.
 
@@ -266,7 +266,8 @@ class GatedDeltaNet(nnx.Module):
         self.Hk, self.Hv, self.Dk, self.Dv, self.K = key_heads, value_heads, key_dim, value_dim, kernel
         self.channels = 2 * key_heads * key_dim + value_heads * value_dim
         # every projection split over the model axis by heads (tp: each device a block of whole key-head groups
-        # and their value heads when the axis divides the key heads)
+        # and their value heads when the axis divides the key heads; when it divides only the channel count the
+        # split falls inside a group: still exact, with collectives to move q, k, v)
         self.in_proj_qkv = param(init(rngs.params(), (D, self.channels), pd), ("embed", "heads"))
         self.in_proj_z = param(init(rngs.params(), (D, value_heads * value_dim), pd), ("embed", "heads"))
         self.in_proj_b = param(init(rngs.params(), (D, value_heads), pd), ("embed", "heads"))

@@ -331,15 +331,22 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     fused = {part: (key, j) for key, (parts, _, _) in fused_map.items() for j, part in enumerate(parts)}
     flat = dict(nnx.to_flat_state(state))
 
+    parts: dict = {}  # a fused tensor's split parts not yet read (each fused tensor is read and split once)
+
     def read(name):
         if name in fused and name not in files:
             key, j = fused[name]
-            whole = read(key)
-            try:
-                return fused_map[key][1](whole)[j]
-            except ValueError:
-                raise PosttrainError(f"{path}: tensor {key!r} {whole.shape} does not split into the linear heads "
-                                     "config.json gives; restore the checkpoint's own config.json") from None
+            if key not in parts:
+                whole = read(key)
+                try:
+                    parts[key] = dict(enumerate(fused_map[key][1](whole)))
+                except ValueError:
+                    raise PosttrainError(f"{path}: tensor {key!r} {whole.shape} does not split into the linear "
+                                         "heads config.json gives; restore the checkpoint's own config.json") from None
+            part = parts[key].pop(j)
+            if not parts[key]:
+                del parts[key]
+            return part
         if name not in files:
             hint = "the folder does not match its config.json (wrong or partial checkpoint)"
             if name == "score.weight":
@@ -366,7 +373,7 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
             arrays = [read(name) for name in names]
             try:
                 value = load(*arrays)
-            except ValueError:
+            except (ValueError, IndexError):  # a reshape or a channel permutation of a tensor of the wrong shape
                 value = None
             if value is None or value.shape != var.shape:
                 shapes = ", ".join(f"{n} {a.shape}" for n, a in zip(names, arrays))

@@ -194,12 +194,13 @@ def _rope(d: Optional[dict], default_theta: float = 10_000.0, partial: float = 1
     d = dict(d or {})
     kind = d.get("rope_type", d.get("type", "default")) or "default"
     theta = d.get("rope_theta") or default_theta
-    if kind == "default":  # a partial rotary factor only where the family applies it (Qwen3.5: partial=...)
+    # a partial rotary factor only where the family applies it (Qwen3.5 / Qwen3-Next: partial=...), in every kind
+    if kind == "default":
         return RopeConfig(theta=theta, partial=partial)
     if kind == "linear":
-        return RopeConfig(theta=theta, kind="linear", factor=float(d["factor"]))
+        return RopeConfig(theta=theta, kind="linear", factor=float(d["factor"]), partial=partial)
     if kind == "llama3":
-        return RopeConfig(theta=theta, kind="llama3", factor=float(d["factor"]),
+        return RopeConfig(theta=theta, kind="llama3", factor=float(d["factor"]), partial=partial,
                           low_freq_factor=float(d["low_freq_factor"]),
                           high_freq_factor=float(d["high_freq_factor"]),
                           original_max_position=int(d["original_max_position_embeddings"]))
@@ -208,7 +209,7 @@ def _rope(d: Optional[dict], default_theta: float = 10_000.0, partial: float = 1
         if af is None and d.get("mscale") and d.get("mscale_all_dim"):
             raise PosttrainError("config.json: yarn rope with mscale / mscale_all_dim is not supported; give "
                                  "rope_parameters.attention_factor instead")
-        return RopeConfig(theta=theta, kind="yarn", factor=float(d["factor"]),
+        return RopeConfig(theta=theta, kind="yarn", factor=float(d["factor"]), partial=partial,
                           original_max_position=int(d["original_max_position_embeddings"]),
                           beta_fast=float(d.get("beta_fast") or 32), beta_slow=float(d.get("beta_slow") or 1),
                           truncate=bool(d.get("truncate", True)), attention_factor=None if af is None else float(af))
@@ -287,7 +288,7 @@ def _moe_from_hf(hf, mt: str, where: str) -> dict:
                     expert_mlp_dim=hf.intermediate_size, norm_topk_prob=True, router_bias=True, expert_bias=True,
                     expert_act="gpt_oss", router_aux_loss_coef=float(hf.router_aux_loss_coef))
     if mt in (qwen3_5.MOE_TYPE, qwen3_5.NEXT_TYPE):
-        return qwen3_5.moe_fields(hf)
+        return qwen3_5.moe_fields(hf, where)
     if mt == "mixtral":
         return dict(num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
                     expert_mlp_dim=hf.intermediate_size, norm_topk_prob=True,

@@ -64,6 +64,8 @@ def post_init(d: dict) -> None:
         every = d.get("full_attention_interval") or 4
         d["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention"
                             for i in range(d["num_hidden_layers"])]
+    if d.get("partial_rotary_factor") is None:  # also under a legacy rope_scaling, which replaces rope_parameters
+        d["partial_rotary_factor"] = 0.25
     rp = dict(d.get("rope_parameters") or {})
     rp.setdefault("rope_type", "default")
     rp.setdefault("rope_theta", d.get("rope_theta") or 10_000.0)
@@ -85,12 +87,15 @@ def config_fields(hf, where: str) -> dict:
                 linear_conv_kernel=hf.linear_conv_kernel_dim)
 
 
-def moe_fields(hf) -> dict:
+def moe_fields(hf, where: str = "config.json") -> dict:
     """The mixture-of-experts ModelConfig fields of a Qwen3_5MoeTextConfig (every layer sparse, renormalised
     top-k) or a Qwen3NextConfig (dense layers where `mlp_only_layers` or `decoder_sparse_step` say; no experts at
     all when num_experts is 0)."""
     if hf.model_type == NEXT_TYPE and hf.num_experts <= 0:
         return {}
+    if not hf.shared_expert_intermediate_size:
+        raise PosttrainError(f"{where}: shared_expert_intermediate_size = 0 is not supported (its sparse layers have "
+                             "a shared expert); give the shared expert's width")
     dense = ()
     if hf.model_type == NEXT_TYPE:
         only, step = set(hf.mlp_only_layers or ()), hf.decoder_sparse_step or 1
