@@ -330,7 +330,8 @@ PRESETS: dict[str, ModelConfig] = {
         mlp_dim=f, max_position=32_768, norm_eps=1e-6, norm_unit_offset=True, qk_norm=True, attn_output_gate=True,
         layer_types=("linear", "linear", "linear", "full") * (n // 4), linear_key_heads=16, linear_value_heads=v,
         linear_key_dim=128, linear_value_dim=128, rope=RopeConfig(theta=10_000.0, partial=0.25))
-       for name, d, n, h, f, v in (("qwen3.5-9b", 4096, 32, 16, 12_288, 32), ("qwen3.5-27b", 5120, 64, 24, 17_408, 48))},
+       for name, d, n, h, f, v in (("qwen3.5-9b", 4096, 32, 16, 12_288, 32),
+                                   ("qwen3.5-27b", 5120, 64, 24, 17_408, 48))},
     # transformers 5.12's Qwen3NextConfig defaults, which its docs name Qwen/Qwen3-Next-80B-A3B-Instruct: 512
     # experts of width 512, top 10, one shared expert, on all 48 layers (tests/test_qwen3_next.py checks the match)
     "qwen3-next-80b-a3b": ModelConfig(

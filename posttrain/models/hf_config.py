@@ -11,7 +11,8 @@ from posttrain.models.config import ModelConfig, RopeConfig
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "gemma4_text", "qwen3_moe",
              "mixtral", "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")  # mixture-of-experts families (models/moe.py)
+# mixture-of-experts families (models/moe.py)
+MOE = ("qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe_text", "qwen3_next")
 
 # ----------------------------------------------------------------------------- config
 
