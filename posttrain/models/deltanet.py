@@ -31,6 +31,7 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 CHUNK = 64  # the most tokens per chunk of the layer's chunked form (FLA's and transformers' chunk size)
@@ -81,23 +82,38 @@ def _prepare(q, k, v, g, beta, normalize: bool):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
+def _step(s, x):
+    """One token of the rule for every row and head (q, k, v [B, H, D], g, beta [B, H]), reading S once: with
+    d = exp(g), S^T k and S^T q in one product, then err = beta (v - d S^T k), S' = d S + k err^T and
+    o = S'^T q = d S^T q + (k . q) err."""
+    qt, kt, vt, gt, bt = x
+    d = jnp.exp(gt)[..., None]  # [B, H, 1]
+    both = jnp.einsum("bhkv,bhnk->bhnv", s, jnp.stack([kt, qt], axis=2))
+    sk, sq = both[:, :, 0], both[:, :, 1]
+    err = (vt - d * sk) * bt[..., None]
+    o = d * sq + jnp.sum(kt * qt, axis=-1, keepdims=True) * err
+    # the [B, H, Dk, Dv] update in a branch of its own (skipped when no row writes or decays: every row padding):
+    # inlined, XLA fused the producers of k and err (convolution, norms, masks) into it and recomputed them for
+    # every element of S (the decode step of a linear layer: 3x slower)
+    s = jax.lax.cond(jnp.any(bt != 0) | jnp.any(gt != 0),
+                     lambda s, k, e, d: s * d[..., None] + k[..., :, None] * e[..., None, :],
+                     lambda s, k, e, d: s, s, kt, err, d)
+    return s, o
+
+
 def recurrent(q, k, v, g, beta, state: Optional[jax.Array] = None, *, normalize: bool = True):
-    """The gated delta rule token by token (see the module docstring)."""
+    """The gated delta rule token by token (see the module docstring); one token (the decode step) without a
+    scan."""
     dt = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, normalize)
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     s0 = jnp.zeros((B, H, Dk, Dv), v.dtype) if state is None else state.astype(v.dtype)
-
-    def step(s, x):
-        qt, kt, vt, gt, bt = x  # [B, H, ...]
-        s = s * jnp.exp(gt)[..., None, None]
-        err = (vt - jnp.einsum("bhkv,bhk->bhv", s, kt)) * bt[..., None]
-        s = s + kt[..., :, None] * err[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, qt)
-
+    if T == 1:
+        s, o = _step(s0, tuple(x[:, 0] for x in (q, k, v, g, beta)))
+        return o[:, None].astype(dt), s
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
-    s, o = jax.lax.scan(step, s0, xs)
+    s, o = jax.lax.scan(_step, s0, xs)
     return jnp.moveaxis(o, 0, 1).astype(dt), s
 
 
@@ -184,6 +200,9 @@ def valid_conv(x, weight, past, valid):
     B, T, _ = x.shape
     K = weight.shape[1]
     full = jnp.concatenate([past.astype(x.dtype), x], axis=1)  # [B, K - 1 + T, C]
+    if T == 1:  # the decode step: the window as it is; it moves only for a valid token
+        y = jnp.sum(full * weight.T.astype(x.dtype)[None], axis=1, keepdims=True)  # a reduction: computed once
+        return y, jnp.where(valid[:, :, None], full[:, 1:], past.astype(x.dtype))
     ok = jnp.concatenate([jnp.ones((B, K - 1), bool), valid], axis=1)
     at = jnp.cumsum(ok, axis=1, dtype=jnp.int32) - 1  # index among the valid inputs
     n = full.shape[1]
@@ -289,6 +308,21 @@ class GatedDeltaNet(nnx.Module):
         lo = getattr(self, name + "_lora")
         return y if lo is None else y + lo(x)
 
+    def _project_inputs(self, x):
+        """x @ in_proj_qkv, _z, _b, _a (+ their LoRA updates): one product over the four weights side by side
+        unless the model axis splits them (a decode step of the tiny benchmark model: 4 dots -> 1, -7 %); under
+        tensor parallelism the concatenation would move columns between devices, so four products."""
+        from posttrain.sharding import active_mesh
+
+        names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        mesh = active_mesh()
+        if mesh is not None and mesh[0].shape.get("tensor", 1) > 1:
+            return tuple(self._project(n, x) for n in names)
+        ws = [getattr(self, n)[...].astype(x.dtype) for n in names]
+        ys = jnp.split(x @ jnp.concatenate(ws, axis=1), np.cumsum([w.shape[1] for w in ws])[:-1].tolist(), axis=-1)
+        return tuple(y if getattr(self, n + "_lora") is None else y + getattr(self, n + "_lora")(x)
+                     for n, y in zip(names, ys))
+
     def init_state(self, batch: int) -> LinearState:
         return LinearState(jnp.zeros((batch, self.K - 1, self.channels), self.dtype),
                            jnp.zeros((batch, self.Hv, self.Dk, self.Dv), jnp.float32))
@@ -312,10 +346,8 @@ class GatedDeltaNet(nnx.Module):
         x = x.astype(dt)
         if valid is not None:
             x = x * valid[..., None].astype(dt)
-        mixed = self._project("in_proj_qkv", x)
-        z = self._project("in_proj_z", x).reshape(B, T, self.Hv, self.Dv)
-        b = self._project("in_proj_b", x)
-        a = self._project("in_proj_a", x)
+        mixed, z, b, a = self._project_inputs(x)
+        z = z.reshape(B, T, self.Hv, self.Dv)
         if carried and valid is not None:  # padding (a left-padded block, a stopped row) skips the conv window
             mixed, conv_state = valid_conv(mixed, self.conv[...], state.conv, valid)
         elif branches is None:
@@ -353,8 +385,6 @@ class GatedDeltaNet(nnx.Module):
 def grouped_channels(key_heads: int, value_heads: int, key_dim: int, value_dim: int):
     """The HF channel of each of our in_proj_qkv / conv channels: ours = HF[..., perm] (HF: [all q | all k | all
     v]; ours: per key head g [q_g | k_g | v_g], v_g the value heads g r .. g r + r - 1, r = value / key heads)."""
-    import numpy as np
-
     Hk, Dk, rv = key_heads, key_dim, value_heads // key_heads * value_dim
     return np.concatenate([np.concatenate([g * Dk + np.arange(Dk), (Hk + g) * Dk + np.arange(Dk),
                                            2 * Hk * Dk + g * rv + np.arange(rv)]) for g in range(Hk)])
