@@ -8,7 +8,7 @@ Per head, with a state S [Dk, Dv] (zero, or carried in), for each token t:
 with q and k L2-normalised (eps 1e-6) and q scaled by Dk^-1/2, as transformers' `torch_recurrent_gated_delta_rule`
 / `torch_chunk_gated_delta_rule` (use_qk_l2norm_in_kernel=True) and the FLA kernels they stand for.
 
-- `recurrent(...)`: a scan over tokens: the decode step (one token) and the reference.
+- `recurrent(...)`: token by token (a scan; one token without it): the decode step and the reference.
 - `chunked(...)`: the WY / UT form over chunks of C tokens (training and prefill): inside a chunk the C updates
   are one triangular solve, (I + L)^-1 with L = strictly-lower(diag(beta) K K^T * decay), and matrix products;
   between chunks one state update. The scan over chunks rematerialises each chunk in the backward pass, so
@@ -82,23 +82,26 @@ def _prepare(q, k, v, g, beta, normalize: bool):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def _step(s, x):
-    """One token of the rule for every row and head (q, k, v [B, H, D], g, beta [B, H]), reading S once: with
-    d = exp(g), S^T k and S^T q in one product, then err = beta (v - d S^T k), S' = d S + k err^T and
-    o = S'^T q = d S^T q + (k . q) err."""
+def _step(s, x, branch: bool = False):
+    """One token of the rule for every row and head (q, k, v [B, H, D], g, beta [B, H]): with d = exp(g), S^T k
+    and S^T q in one product (S read twice, not three times), err = beta (v - d S^T k), S' = d S + k err^T and
+    o = S'^T q = d S^T q + (k . q) err. branch (the decode step on a CPU): the [B, H, Dk, Dv] update runs in a
+    `lax.cond` branch of its own, skipped when no row writes or decays (every row padding, where it is the
+    identity); inlined, XLA on a CPU fused the producers of k and err (the convolution, norms, padding masks)
+    into it and recomputed them for every element of S: the layer's decode step 289 -> 128 us."""
     qt, kt, vt, gt, bt = x
     d = jnp.exp(gt)[..., None]  # [B, H, 1]
     both = jnp.einsum("bhkv,bhnk->bhnv", s, jnp.stack([kt, qt], axis=2))
     sk, sq = both[:, :, 0], both[:, :, 1]
     err = (vt - d * sk) * bt[..., None]
     o = d * sq + jnp.sum(kt * qt, axis=-1, keepdims=True) * err
-    # the [B, H, Dk, Dv] update in a branch of its own (skipped when no row writes or decays: every row padding):
-    # inlined, XLA fused the producers of k and err (convolution, norms, masks) into it and recomputed them for
-    # every element of S (the decode step of a linear layer: 3x slower)
-    s = jax.lax.cond(jnp.any(bt != 0) | jnp.any(gt != 0),
-                     lambda s, k, e, d: s * d[..., None] + k[..., :, None] * e[..., None, :],
-                     lambda s, k, e, d: s, s, kt, err, d)
-    return s, o
+
+    def update(s, k, e, d):
+        return s * d[..., None] + k[..., :, None] * e[..., None, :]
+
+    if branch:
+        return jax.lax.cond(jnp.any(bt != 0) | jnp.any(gt != 0), update, lambda s, *_: s, s, kt, err, d), o
+    return update(s, kt, err, d), o
 
 
 def recurrent(q, k, v, g, beta, state: Optional[jax.Array] = None, *, normalize: bool = True):
@@ -109,8 +112,8 @@ def recurrent(q, k, v, g, beta, state: Optional[jax.Array] = None, *, normalize:
     B, T, H, Dk = k.shape
     Dv = v.shape[-1]
     s0 = jnp.zeros((B, H, Dk, Dv), v.dtype) if state is None else state.astype(v.dtype)
-    if T == 1:
-        s, o = _step(s0, tuple(x[:, 0] for x in (q, k, v, g, beta)))
+    if T == 1:  # the decode step
+        s, o = _step(s0, tuple(x[:, 0] for x in (q, k, v, g, beta)), branch=jax.default_backend() == "cpu")
         return o[:, None].astype(dt), s
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
     s, o = jax.lax.scan(_step, s0, xs)
@@ -310,14 +313,18 @@ class GatedDeltaNet(nnx.Module):
 
     def _project_inputs(self, x):
         """x @ in_proj_qkv, _z, _b, _a (+ their LoRA updates): one product over the four weights side by side
-        unless the model axis splits them (a decode step of the tiny benchmark model: 4 dots -> 1, -7 %); under
-        tensor parallelism the concatenation would move columns between devices, so four products."""
+        (a decode step of the tiny benchmark model: 4 dots -> 1, -7 %), unless the active mesh's rules split their
+        heads (tensor parallelism): the concatenation would move columns between devices, so four products.
+        (Weights sharded without an active mesh still give the same result, through a resharding.)"""
         from posttrain.sharding import active_mesh
 
         names = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-        mesh = active_mesh()
-        if mesh is not None and mesh[0].shape.get("tensor", 1) > 1:
-            return tuple(self._project(n, x) for n in names)
+        active = active_mesh()
+        if active is not None:  # the mesh axes the rules put the heads on
+            mesh, rules = active
+            heads = rules.get("heads") or ()
+            if any(mesh.shape.get(a, 1) > 1 for a in ((heads,) if isinstance(heads, str) else heads)):
+                return tuple(self._project(n, x) for n in names)
         ws = [getattr(self, n)[...].astype(x.dtype) for n in names]
         ys = jnp.split(x @ jnp.concatenate(ws, axis=1), np.cumsum([w.shape[1] for w in ws])[:-1].tolist(), axis=-1)
         return tuple(y if getattr(self, n + "_lora") is None else y + getattr(self, n + "_lora")(x)
