@@ -74,6 +74,48 @@ def _diff(a, b, lens):
     return max(float(np.abs(a[i, :n] - b[i, :n]).max()) for i, n in enumerate(lens))
 
 
+def logits_error(ckpt, T, seed):
+    """max |our logits - transformers'| over the real tokens of a right-padded batch of length T (printed with
+    the logit range)."""
+    toks, mask, pos, lens = _batch(T, seed=seed)
+    want = _hf_logits(_hf(ckpt), toks, mask, pos)
+    got = np.asarray(_fwd(from_pretrained(ckpt), jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(mask)))
+    err = _diff(got, want, lens)
+    print(f"T={T}: max |logits - transformers| {err:.2e} (range {want.max() - want.min():.1f})")
+    return err
+
+
+def export_error(ckpt, out):
+    """max |transformers' logits of our export of ckpt - of ckpt itself|, 40 right-padded tokens."""
+    save_pretrained(from_pretrained(ckpt), out)
+    toks, mask, pos, lens = _batch(40, seed=1)
+    return _diff(_hf_logits(_hf(out), toks, mask, pos), _hf_logits(_hf(ckpt), toks, mask, pos), lens)
+
+
+def check_packed_and_greedy(ckpt):
+    """Two sequences packed in one row equal transformers on each alone; greedy 24 tokens from left-padded prompts
+    equal a cache-free transformers loop (full forwards)."""
+    r = np.random.default_rng(3)
+    a, b = (r.integers(3, V, n).tolist() for n in (70, 30))
+    toks, seg = np.array([a + b]), np.array([[1] * 70 + [2] * 30])
+    pos = np.array([list(range(70)) + list(range(30))])
+    ours = from_pretrained(ckpt)
+    out = np.asarray(_fwd(ours, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(seg)))[0]
+    hf = _hf(ckpt)
+    for s, start in ((a, 0), (b, 70)):
+        ref = _hf_logits(hf, np.array([s]), np.ones((1, len(s)), np.int64), np.arange(len(s))[None])[0]
+        assert float(np.abs(out[start:start + len(s)] - ref).max()) <= 1e-4
+    prompts = [r.integers(3, V, n).tolist() for n in (9, 4)]
+    gen = Sampler(ours, max_len=64).generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.0))
+    for i, p in enumerate(prompts):
+        seq = list(p)
+        for _ in range(24):
+            n = len(seq)
+            seq.append(int(_hf_logits(hf, np.array([seq]), np.ones((1, n), np.int64), np.arange(n)[None])[0, -1]
+                           .argmax()))
+        np.testing.assert_array_equal(gen.tokens[i], seq[len(p):])
+
+
 @pytest.mark.parity
 def test_config_reads_every_qwen3_5_field(ckpt):
     cfg = from_pretrained(ckpt).cfg

@@ -1,12 +1,10 @@
 """Qwen3.5-MoE text (qwen3_5_moe_text: the Qwen3.5 hybrid with a sparse block on every layer, a shared expert gated
 per token beside the routed experts) against Hugging Face transformers, on a tiny random checkpoint built locally."""
 
-import jax
-import numpy as np
 import pytest
-from test_qwen3_5 import _batch, _diff, _fwd, _hf, _hf_logits, build
+from test_qwen3_5 import build, check_packed_and_greedy, export_error, logits_error
 
-from posttrain.models import from_pretrained, save_pretrained
+from posttrain.models import from_pretrained
 
 V = 97
 CONFIG = dict(vocab_size=V, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -31,50 +29,17 @@ def test_config_reads_the_moe_fields(ckpt):
 @pytest.mark.parity
 @pytest.mark.parametrize("T", [11, 150])  # 150: more than two 64-token chunks of the delta rule
 def test_logits_match_transformers_with_right_padding(ckpt, T):
-    hf, ours = _hf(ckpt), from_pretrained(ckpt)
-    toks, mask, pos, lens = _batch(T, seed=T)
-    want = _hf_logits(hf, toks, mask, pos)
-    got = np.asarray(_fwd(ours, jax.numpy.asarray(toks), jax.numpy.asarray(pos), jax.numpy.asarray(mask)))
-    err = _diff(got, want, lens)
-    print(f"T={T}: max |logits - transformers| {err:.2e} (range {want.max() - want.min():.1f})")
-    assert err <= 1e-4
+    assert logits_error(ckpt, T, seed=T) <= 1e-4
 
 
 @pytest.mark.parity
 def test_export_round_trip_loads_in_transformers(ckpt, tmp_path):
-    ours = from_pretrained(ckpt)
-    save_pretrained(ours, str(tmp_path / "out"))
-    toks, mask, pos, lens = _batch(40, seed=1)
-    want = _hf_logits(_hf(ckpt), toks, mask, pos)
-    got = _hf_logits(_hf(str(tmp_path / "out")), toks, mask, pos)
-    assert _diff(got, want, lens) <= 1e-5
+    assert export_error(ckpt, str(tmp_path / "out")) <= 1e-5
 
 
 @pytest.mark.parity
 def test_packed_segments_and_greedy_24_tokens_equal_transformers(ckpt):
-    """Two sequences packed in one row equal transformers on each alone; greedy 24 tokens from left-padded prompts
-    equal a cache-free transformers loop (full forwards)."""
-    from posttrain.generate import Sampler, SamplingParams
-
-    r = np.random.default_rng(3)
-    a, b = (r.integers(3, V, n).tolist() for n in (70, 30))
-    toks, seg = np.array([a + b]), np.array([[1] * 70 + [2] * 30])
-    pos = np.array([list(range(70)) + list(range(30))])
-    ours = from_pretrained(ckpt)
-    out = np.asarray(_fwd(ours, jax.numpy.asarray(toks), jax.numpy.asarray(pos), jax.numpy.asarray(seg)))[0]
-    hf = _hf(ckpt)
-    for s, start in ((a, 0), (b, 70)):
-        ref = _hf_logits(hf, np.array([s]), np.ones((1, len(s)), np.int64), np.arange(len(s))[None])[0]
-        assert float(np.abs(out[start:start + len(s)] - ref).max()) <= 1e-4
-    prompts = [r.integers(3, V, n).tolist() for n in (9, 4)]
-    gen = Sampler(ours, max_len=64).generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.0))
-    for i, p in enumerate(prompts):
-        seq = list(p)
-        for _ in range(24):
-            n = len(seq)
-            seq.append(int(_hf_logits(hf, np.array([seq]), np.ones((1, n), np.int64), np.arange(n)[None])[0, -1]
-                           .argmax()))
-        np.testing.assert_array_equal(gen.tokens[i], seq[len(p):])
+    check_packed_and_greedy(ckpt)
 
 
 def test_preset_is_transformers_default_config_and_plans():

@@ -2,12 +2,24 @@
 layers beside sparse ones, top-k weights renormalised or not) against Hugging Face transformers, on a tiny random
 checkpoint built locally."""
 
+import json
+
 import jax
 import numpy as np
 import pytest
-from test_qwen3_5 import _batch, _diff, _fwd, _hf, _hf_logits, build
+from test_qwen3_5 import (
+    _batch,
+    _diff,
+    _fwd,
+    _hf,
+    _hf_logits,
+    build,
+    check_packed_and_greedy,
+    export_error,
+    logits_error,
+)
 
-from posttrain.models import from_pretrained, save_pretrained
+from posttrain.models import from_pretrained
 
 V = 97
 CONFIG = dict(vocab_size=V, hidden_size=64, intermediate_size=56, num_hidden_layers=4, num_attention_heads=4,
@@ -58,55 +70,20 @@ def test_fused_projections_split_and_join_back_exactly():
 @pytest.mark.parity
 @pytest.mark.parametrize("T", [11, 150])  # 150: more than two 64-token chunks of the delta rule
 def test_logits_match_transformers_with_right_padding(ckpt, T):
-    hf, ours = _hf(ckpt), from_pretrained(ckpt)
-    toks, mask, pos, lens = _batch(T, seed=T)
-    want = _hf_logits(hf, toks, mask, pos)
-    got = np.asarray(_fwd(ours, jax.numpy.asarray(toks), jax.numpy.asarray(pos), jax.numpy.asarray(mask)))
-    err = _diff(got, want, lens)
-    print(f"T={T}: max |logits - transformers| {err:.2e} (range {want.max() - want.min():.1f})")
-    assert err <= 1e-4
+    assert logits_error(ckpt, T, seed=T) <= 1e-4
 
 
 @pytest.mark.parity
 def test_export_round_trip_loads_in_transformers(ckpt, tmp_path):
-    import json
-
-    ours = from_pretrained(ckpt)
-    save_pretrained(ours, str(tmp_path / "out"))
+    assert export_error(ckpt, str(tmp_path / "out")) <= 1e-5
     written = json.load(open(tmp_path / "out" / "config.json"))
     assert (written["model_type"], written["mlp_only_layers"], written["norm_topk_prob"]) == ("qwen3_next", [1],
                                                                                             False)
-    toks, mask, pos, lens = _batch(40, seed=1)
-    want = _hf_logits(_hf(ckpt), toks, mask, pos)
-    got = _hf_logits(_hf(str(tmp_path / "out")), toks, mask, pos)
-    assert _diff(got, want, lens) <= 1e-5
 
 
 @pytest.mark.parity
 def test_packed_segments_and_greedy_24_tokens_equal_transformers(ckpt):
-    """Two sequences packed in one row equal transformers on each alone; greedy 24 tokens from left-padded prompts
-    equal a cache-free transformers loop (full forwards)."""
-    from posttrain.generate import Sampler, SamplingParams
-
-    r = np.random.default_rng(3)
-    a, b = (r.integers(3, V, n).tolist() for n in (70, 30))
-    toks, seg = np.array([a + b]), np.array([[1] * 70 + [2] * 30])
-    pos = np.array([list(range(70)) + list(range(30))])
-    ours = from_pretrained(ckpt)
-    out = np.asarray(_fwd(ours, jax.numpy.asarray(toks), jax.numpy.asarray(pos), jax.numpy.asarray(seg)))[0]
-    hf = _hf(ckpt)
-    for s, start in ((a, 0), (b, 70)):
-        ref = _hf_logits(hf, np.array([s]), np.ones((1, len(s)), np.int64), np.arange(len(s))[None])[0]
-        assert float(np.abs(out[start:start + len(s)] - ref).max()) <= 1e-4
-    prompts = [r.integers(3, V, n).tolist() for n in (9, 4)]
-    gen = Sampler(ours, max_len=64).generate(prompts, SamplingParams(max_new_tokens=24, temperature=0.0))
-    for i, p in enumerate(prompts):
-        seq = list(p)
-        for _ in range(24):
-            n = len(seq)
-            seq.append(int(_hf_logits(hf, np.array([seq]), np.ones((1, n), np.int64), np.arange(n)[None])[0, -1]
-                           .argmax()))
-        np.testing.assert_array_equal(gen.tokens[i], seq[len(p):])
+    check_packed_and_greedy(ckpt)
 
 
 @pytest.mark.parametrize("name,model_type,billions", [("qwen3-next-80b-a3b", "qwen3_next", 79.7),
@@ -154,7 +131,6 @@ def test_scaled_rope_keeps_the_partial_rotary_factor(tmp_path_factory, rope):
 
 
 def test_a_sparse_layer_without_a_shared_expert_is_an_error_naming_the_key(tmp_path):
-    import json
 
     from posttrain.errors import PosttrainError
     from posttrain.models.hf import load_config
@@ -169,7 +145,6 @@ def test_a_sparse_layer_without_a_shared_expert_is_an_error_naming_the_key(tmp_p
 def test_fused_tensors_that_do_not_match_config_json_are_an_error(ckpt, tmp_path, field, value):
     """A config.json whose linear heads do not split the fused tensors: a PosttrainError naming a tensor, not a
     numpy reshape error or a silently wrong model."""
-    import json
     import shutil
 
     from posttrain.errors import PosttrainError

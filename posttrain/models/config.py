@@ -256,6 +256,17 @@ _GEMMA4 = dict(family="gemma4", vocab_size=262_144, norm_eps=1e-6, activation="g
                query_scale=1.0, final_softcap=30.0, layer_scalar=True, rope_local=RopeConfig(theta=10_000.0),
                rope=RopeConfig(theta=1_000_000.0, kind="proportional", partial=0.25))
 
+# Qwen3.5 / Qwen3-Next public sizes: gated attention heads of 256, 16 linear key heads of 128, every 4th layer full
+# attention, RoPE on a quarter of each head (theta: the classes' default; a real folder's config.json sets its own)
+_QWEN_HYBRID = dict(head_dim=256, max_position=32_768, norm_eps=1e-6, norm_unit_offset=True, qk_norm=True,
+                    attn_output_gate=True, linear_key_heads=16, linear_key_dim=128, linear_value_dim=128,
+                    rope=RopeConfig(theta=10_000.0, partial=0.25))
+
+
+def _qwen_hybrid_types(n: int) -> tuple[str, ...]:
+    return ("linear", "linear", "linear", "full") * (n // 4)
+
+
 PRESETS: dict[str, ModelConfig] = {
     "llama3-8b": ModelConfig(
         family="llama", vocab_size=128_256, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -314,32 +325,26 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=128, mlp_dim=6144, max_position=40_960, norm_eps=1e-6, qk_norm=True,
         rope=RopeConfig(theta=1_000_000.0), num_experts=128, experts_per_token=8, expert_mlp_dim=768,
         norm_topk_prob=True),
-    # transformers 5.12's Qwen3_5MoeTextConfig defaults, which its docs name Qwen/Qwen3.5-35B-A3B (the RoPE theta is
-    # that class's default; a real folder's config.json sets its own): tests/test_qwen3_5_moe.py checks the match
+    # transformers 5.12's Qwen3_5MoeTextConfig defaults, which its docs name Qwen/Qwen3.5-35B-A3B:
+    # tests/test_qwen3_5_moe.py checks the match
     "qwen3.5-35b-a3b": ModelConfig(
-        family="qwen3_5_moe", vocab_size=248_320, embed_dim=2048, num_layers=40, num_heads=16, num_kv_heads=2,
-        head_dim=256, mlp_dim=512, max_position=32_768, norm_eps=1e-6, norm_unit_offset=True, qk_norm=True,
-        attn_output_gate=True, layer_types=("linear", "linear", "linear", "full") * 10, linear_key_heads=16,
-        linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, rope=RopeConfig(theta=10_000.0, partial=0.25),
-        num_experts=256, experts_per_token=8, expert_mlp_dim=512, shared_expert_dim=512, norm_topk_prob=True),
+        **_QWEN_HYBRID, family="qwen3_5_moe", vocab_size=248_320, embed_dim=2048, num_layers=40, num_heads=16,
+        num_kv_heads=2, mlp_dim=512, layer_types=_qwen_hybrid_types(40), linear_value_heads=32, num_experts=256,
+        experts_per_token=8, expert_mlp_dim=512, shared_expert_dim=512, norm_topk_prob=True),
     # Qwen3.5 dense: -9b = transformers 5.12's Qwen3_5TextConfig defaults (4096 x 32 layers, 16 / 4 heads, MLP 12288),
     # -27b per the Qwen/Qwen3.5-27B model card (5120 x 64 layers, 24 / 4 heads of 256, MLP 17408; 48 Gated DeltaNet
     # value heads): the text model of each (no vision tower, no multi-token-prediction layer)
     **{name: ModelConfig(
-        family="qwen3_5", vocab_size=248_320, embed_dim=d, num_layers=n, num_heads=h, num_kv_heads=4, head_dim=256,
-        mlp_dim=f, max_position=32_768, norm_eps=1e-6, norm_unit_offset=True, qk_norm=True, attn_output_gate=True,
-        layer_types=("linear", "linear", "linear", "full") * (n // 4), linear_key_heads=16, linear_value_heads=v,
-        linear_key_dim=128, linear_value_dim=128, rope=RopeConfig(theta=10_000.0, partial=0.25))
+        **_QWEN_HYBRID, family="qwen3_5", vocab_size=248_320, embed_dim=d, num_layers=n, num_heads=h, num_kv_heads=4,
+        mlp_dim=f, layer_types=_qwen_hybrid_types(n), linear_value_heads=v)
        for name, d, n, h, f, v in (("qwen3.5-9b", 4096, 32, 16, 12_288, 32),
                                    ("qwen3.5-27b", 5120, 64, 24, 17_408, 48))},
     # transformers 5.12's Qwen3NextConfig defaults, which its docs name Qwen/Qwen3-Next-80B-A3B-Instruct: 512
     # experts of width 512, top 10, one shared expert, on all 48 layers (tests/test_qwen3_next.py checks the match)
     "qwen3-next-80b-a3b": ModelConfig(
-        family="qwen3_next", vocab_size=151_936, embed_dim=2048, num_layers=48, num_heads=16, num_kv_heads=2,
-        head_dim=256, mlp_dim=5632, max_position=32_768, norm_eps=1e-6, norm_unit_offset=True, qk_norm=True,
-        attn_output_gate=True, layer_types=("linear", "linear", "linear", "full") * 12, linear_key_heads=16,
-        linear_value_heads=32, linear_key_dim=128, linear_value_dim=128, rope=RopeConfig(theta=10_000.0, partial=0.25),
-        num_experts=512, experts_per_token=10, expert_mlp_dim=512, shared_expert_dim=512, norm_topk_prob=True),
+        **_QWEN_HYBRID, family="qwen3_next", vocab_size=151_936, embed_dim=2048, num_layers=48, num_heads=16,
+        num_kv_heads=2, mlp_dim=5632, layer_types=_qwen_hybrid_types(48), linear_value_heads=32, num_experts=512,
+        experts_per_token=10, expert_mlp_dim=512, shared_expert_dim=512, norm_topk_prob=True),
     "mixtral-8x7b": ModelConfig(
         family="mixtral", vocab_size=32_000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
         head_dim=128, mlp_dim=14_336, max_position=32_768, rope=RopeConfig(theta=1_000_000.0),
