@@ -348,7 +348,7 @@ def _hf_state(model) -> dict[str, np.ndarray]:
     import jax
     from flax import nnx
 
-    from posttrain.models.hf import weight_map
+    from posttrain.models.hf_names import weight_map
     from posttrain.models.layers import Buffer
 
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Any(nnx.Param, Buffer))))
