@@ -231,11 +231,12 @@ def _bwrap_args(python: str, box: str, disk_mb: int, env: Mapping[str, str]) -> 
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
+    args += ["--size", str(disk_mb << 20), "--tmpfs", WORK]
+    # After the private /tmp: an interpreter or venv under /tmp (a fresh clone in /tmp) stays visible on top of it.
     for d in _python_dirs(python):
         if not d.startswith("/usr/"):
             args += ["--ro-bind", d, d]
-    args += ["--ro-bind", box, BOX, "--proc", "/proc", "--dev", "/dev", "--size", str(disk_mb << 20),
-             "--tmpfs", WORK, "--chdir", WORK, "--disable-userns"]
+    args += ["--ro-bind", box, BOX, "--proc", "/proc", "--dev", "/dev", "--chdir", WORK, "--disable-userns"]
     for k, v in env.items():
         args += ["--setenv", k, v]
     return args
@@ -254,6 +255,9 @@ def resolve_mode(mode: str, python: str = sys.executable) -> str:
     for backend in (("bwrap", "uid") if mode == "auto" else (mode,)):
         why = _probe(backend, python)
         if why is None:
+            if tried:  # never silently weaker: say which boundary failed and why
+                warnings.warn(f"sandbox: auto falls back to {backend!r} because " + "; ".join(tried),
+                              RuntimeWarning, stacklevel=2)
             return backend
         tried.append(f"{backend}: {why}")
     raise PosttrainError("sandbox: cannot run model-written code safely here (" + "; ".join(tried) + "). Install "
