@@ -47,7 +47,7 @@ from posttrain.agentic.parsing import ends_tool_call, stop_strings
 from posttrain.data.branches import ROW_FIELDS, SCORE_FIELDS, group_row
 from posttrain.data.prompts import Prompt, tokenize_prompt
 from posttrain.generate import Sampler, SamplingParams
-from posttrain.losses.advantages import group_advantages
+from posttrain.losses.advantages import estimate_advantages
 from posttrain.rl.rollout import GroupRollout
 from posttrain.train.step import merge
 
@@ -229,15 +229,16 @@ def episode_rows(prompts: Sequence[Prompt], eps: Sequence[SampledEpisode], n: in
 
 class AgenticRollout(GroupRollout):
     """GRPO's batch source over multi-turn episodes: `batch_size` prompts, `n` episodes each, rewards
-    from the environments, group advantages, rows with tool outputs masked (`episode_rows`)."""
+    from the environments, advantages (the estimator named `advantages`), rows with tool outputs masked
+    (`episode_rows`)."""
 
     def __init__(self, prompts: list[Prompt], tok, sampler: Sampler, graphdef, *, make_env: Callable[[], object],
                  batch_size: int, n: int, params: SamplingParams, length: int, max_tokens: int, max_turns: int,
                  fmt: str = "hermes", workers: int = 1, seed: int = 0, shuffle: bool = True, num_iterations: int = 1,
-                 scale: str = "group"):
+                 scale: str = "group", advantages: str = "group"):
         super().__init__(prompts, tok, sampler, graphdef, batch_size=batch_size, n=n, params=params,
                          reward_funcs=(), reward_weights=(), length=length, seed=seed, shuffle=shuffle,
-                         num_iterations=num_iterations, scale=scale)
+                         num_iterations=num_iterations, scale=scale, advantages=advantages)
         self.make_env, self.max_tokens, self.max_turns, self.fmt, self.workers = (
             make_env, max_tokens, max_turns, fmt, workers)
         self.last_episodes: list[SampledEpisode] = []
@@ -251,7 +252,9 @@ class AgenticRollout(GroupRollout):
                            stats=self._stats)
         self.last_episodes = eps
         rewards = np.array([e.reward for e in eps], np.float64)
-        adv = group_advantages(rewards.reshape(-1, 1), None, self.n, scale=self.scale)
+        lengths = np.array([sum(e.mask) for e in eps])  # the policy's own tokens: the loss's
+        adv = estimate_advantages(self.advantages, rewards.reshape(-1, 1), None, self.n, scale=self.scale,
+                                  lengths=lengths)
         adv = np.nan_to_num(np.asarray(adv, np.float64)).reshape(self.batch_size, self.n)
         for k, v in episode_stats(eps).items():
             self._stats[k].append(v)

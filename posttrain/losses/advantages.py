@@ -1,4 +1,4 @@
-"""Advantage estimators for group-sampled RL: GRPO, RLOO and REINFORCE++ (outcome rewards).
+"""Advantage estimators for group-sampled RL: GRPO, RLOO and REINFORCE++ (outcome rewards), by name.
 
 What this is: pure `jnp` functions from per-sample rewards to one advantage per sample, written to
 agree with TRL 1.16 to float64 round-off (the parity tests drive TRL's own
@@ -18,6 +18,11 @@ Inputs shared by every function (N = number of samples, F = number of reward fun
 The weighted reward of a sample is r = Σ_f w_f · r_f over its non-NaN functions (TRL: `nansum`).
 Everything is computed in the dtype of `rewards_per_func` (float64 with `jax_enable_x64`).
 
+By name (`grpo.advantages`): `ESTIMATORS` maps a name to a function with one signature,
+`fn(rewards_per_func, weights, group_size, *, scale, lengths) -> [N]` (`scale`: `grpo.scale_rewards`;
+`lengths` [N]: each sample's completion tokens), and `estimate_advantages(name, ...)` calls it. A new
+variant is one function under `@register_advantages("name")` (plus its test against TRL where TRL has it).
+
 References: GRPO (Shao et al. 2024, DeepSeekMath, arXiv 2402.03300, §4.1.2); Dr. GRPO (Liu et al.
 2025, arXiv 2503.20783: no std scaling); batch std scaling (PPO Lite, Liu et al. 2025, arXiv
 2508.08221); GDPO (arXiv 2601.05242: normalise each reward then sum); RLOO (Kool et al. 2019,
@@ -29,6 +34,8 @@ RLOOTrainer._generate_and_score_completions`, `trl/trainer/utils.py::nanstd`. Op
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import jax.numpy as jnp
 
@@ -194,3 +201,45 @@ def reinforce_pp_advantages(rewards_per_func, weights, group_size, *, baseline=T
         var = jnp.sum(weight * adv**2) / total
         adv = adv / jnp.sqrt(jnp.maximum(var, 1e-8))
     return jnp.where(jnp.isnan(rewards), 0.0, adv)
+
+
+# ------------------------------------------------------------------------------------ by name
+
+ESTIMATORS: dict[str, Callable] = {}  # grpo.advantages name -> fn(rewards_per_func, weights, n, *, scale, lengths)
+
+
+def register_advantages(name: str):
+    """Decorator: `fn(rewards_per_func, weights, group_size, *, scale, lengths) -> [N]` becomes the estimator
+    `name` (`grpo.advantages: name`). `scale` is `grpo.scale_rewards` (only "group" may read it: the config
+    refuses another scale with another estimator); `lengths` [N] holds each sample's completion tokens."""
+    def register(fn: Callable) -> Callable:
+        ESTIMATORS[name] = fn
+        return fn
+    return register
+
+
+def estimate_advantages(name: str, rewards_per_func, weights, group_size, *, scale="group", lengths=None):
+    """[N] advantages of the estimator registered as `name` (see `ESTIMATORS`)."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: {sorted(ESTIMATORS)}")
+    return ESTIMATORS[name](rewards_per_func, weights, group_size, scale=scale, lengths=lengths)
+
+
+@register_advantages("group")
+def grpo_estimator(rewards_per_func, weights, group_size, *, scale, lengths):
+    """GRPO: (r - group mean) / (std + eps), std per `scale` (TRL's GRPOTrainer, `scale_rewards`)."""
+    return group_advantages(rewards_per_func, weights, group_size, scale=scale)
+
+
+@register_advantages("rloo")
+def rloo_estimator(rewards_per_func, weights, group_size, *, scale, lengths):
+    """RLOO with TRL's RLOOTrainer defaults (normalize_advantages=False, no reward_clip_range). TRL's RLOO puts
+    its beta KL in the reward; here `grpo.beta` stays in the loss, so TRL's advantages are met at beta 0."""
+    return rloo_advantages(rewards_per_func, weights, group_size)
+
+
+@register_advantages("reinforce_pp")
+def reinforce_pp_estimator(rewards_per_func, weights, group_size, *, scale, lengths):
+    """REINFORCE++-baseline (OpenRLHF `reinforce_baseline`, the group-sampling form): r - group mean, whitened
+    over every completion token of the batch (each sample weighs its `lengths`)."""
+    return reinforce_pp_advantages(rewards_per_func, weights, group_size, baseline=True, lengths=lengths)

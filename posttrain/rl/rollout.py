@@ -8,7 +8,8 @@ with the current TrainState before every step):
      each prompt is prefilled once and its cache shared by its n samples; the PRNG key of
      rollout r is fold_in(key(seed), r), so a resumed run samples exactly what it would have;
   3. rewards from the reward functions (`rewards/runner.score`: failures counted, never fatal;
-     dropped samples leave the loss), weighted and turned into advantages (`group_advantages`);
+     dropped samples leave the loss), weighted and turned into advantages by the estimator named `advantages`
+     (`losses.advantages.ESTIMATORS`: group = GRPO, rloo, reinforce_pp);
      DAPO dynamic sampling optionally replaces groups whose rewards do not vary (no signal) with
      groups of further prompts, a bounded number of tries;
   4. one prefix-shared row per prompt (`data.branches.group_row`: the prompt once, its n
@@ -38,7 +39,7 @@ import numpy as np
 from posttrain.data.branches import ROW_FIELDS, SCORE_FIELDS, group_row
 from posttrain.data.prompts import Prompt
 from posttrain.generate import Sampler, SamplingParams
-from posttrain.losses.advantages import group_advantages
+from posttrain.losses.advantages import estimate_advantages
 from posttrain.rewards.runner import score as score_rewards
 from posttrain.train.step import merge
 
@@ -47,12 +48,12 @@ class GroupRollout:
     def __init__(self, prompts: list[Prompt], tok, sampler: Sampler, graphdef, *, batch_size: int, n: int,
                  params: SamplingParams, reward_funcs: Sequence[Callable], reward_weights: Sequence[float],
                  length: int, seed: int = 0, shuffle: bool = True, num_iterations: int = 1, scale: str = "group",
-                 reward_timeout_s: Optional[float] = None, on_reward_error: str = "zero",
+                 advantages: str = "group", reward_timeout_s: Optional[float] = None, on_reward_error: str = "zero",
                  dynamic_sampling: bool = False, max_refills: int = 3):
         self.prompts, self.tok, self.sampler, self.graphdef = prompts, tok, sampler, graphdef
         self.batch_size, self.n, self.params, self.length = batch_size, n, params, length
         self.funcs, self.weights = list(reward_funcs), np.asarray(reward_weights, np.float64)
-        self.seed, self.mu, self.scale = seed, num_iterations, scale
+        self.seed, self.mu, self.scale, self.advantages = seed, num_iterations, scale, advantages
         self.timeout, self.on_error = reward_timeout_s, on_reward_error
         self.dynamic, self.max_refills = dynamic_sampling, max_refills
         ds = grain.MapDataset.range(len(prompts))
@@ -138,7 +139,8 @@ class GroupRollout:
                 good = [i for i in range(self.batch_size) if signal(total[i])]
             self._stats["dynamic_sampling/refills"].append(tries)
             self._stats["dynamic_sampling/no_signal_groups"].append(self.batch_size - len(good))
-        adv = group_advantages(total.reshape(-1, 1), None, self.n, scale=self.scale)
+        adv = estimate_advantages(self.advantages, total.reshape(-1, 1), None, self.n, scale=self.scale,
+                                  lengths=out.lengths)
         adv = np.nan_to_num(np.asarray(adv, np.float64)).reshape(self.batch_size, self.n)
         finite = np.isfinite(total)
         self._stats["reward/mean"].append(float(np.nanmean(total)) if finite.any() else float("nan"))

@@ -6,10 +6,10 @@ builds a `Sampler` on the policy and a `rl.GroupRollout` batch source, and train
 `losses/grpo.make_grpo_loss` (`policy_loss`: TRL 1.16's loss types, clipping, GSPO, KL) on the
 shared driver (`train.recipe`), so the run folder, resume, checkpoints, sinks and the mesh behave
 as for SFT. Each step: n samples for each of `train.batch_size` prompts (one prefill per prompt),
-rewards, group advantages, and one row per prompt with its n completions as branches; a rollout
-serves `grpo.num_iterations` (μ) steps. The sampler's log-probs are the "old" log-probs; with
-beta = 0 there is no reference forward at all, else the reference is the policy with its LoRA
-adapters off (no copy) or a frozen copy (full fine-tuning).
+rewards, advantages (`grpo.advantages`: group, rloo, reinforce_pp), and one row per prompt with its n
+completions as branches; a rollout serves `grpo.num_iterations` (μ) steps. The sampler's log-probs are
+the "old" log-probs; with beta = 0 there is no reference forward at all, else the reference is the
+policy with its LoRA adapters off (no copy) or a frozen copy (full fine-tuning).
 
 Reward functions (`grpo.rewards`, name -> weight): the built-ins of `rewards.registry.REWARDS`
 (math_answer, last_number, countdown, code_tests, format, overlong, reward_model) or any
@@ -38,6 +38,7 @@ from posttrain.agentic.rollout import AgenticRollout
 from posttrain.data.prompts import load_prompts
 from posttrain.errors import PosttrainError
 from posttrain.generate import Sampler, SamplingParams
+from posttrain.losses.advantages import ESTIMATORS
 from posttrain.losses.grpo import make_grpo_loss
 from posttrain.models.lora import LoraParam
 from posttrain.plan import flops_per_token
@@ -66,9 +67,21 @@ class GRPOSection(C.Sampling, C.Rewards):
     delta: Optional[C.Positive] = None  # two-sided cap on the ratio (INTELLECT-2); None = off
     beta: C.NonNegative = 0.0  # KL weight to the reference; 0 = no reference forward
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence = GSPO
-    scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage scaling (TRL's scale_rewards)
+    # advantage estimator (losses.advantages.ESTIMATORS): group (GRPO), rloo (TRL's RLOO), reinforce_pp
+    # (REINFORCE++-baseline); a function registered with losses.advantages.register_advantages adds a name
+    advantages: str = "group"
+    scale_rewards: Literal["group", "batch", "none"] = "group"  # advantage scaling (TRL's scale_rewards; group only)
     dynamic_sampling: bool = False  # DAPO: replace groups whose rewards do not vary
     max_refills: C.Count = 3  # dynamic sampling: extra rollouts per step at most
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.advantages not in ESTIMATORS:
+            raise PosttrainError(f"grpo.advantages must be one of {', '.join(sorted(ESTIMATORS))}, got "
+                                 f"{self.advantages!r}")
+        if self.advantages != "group" and self.scale_rewards != "group":
+            raise PosttrainError(f"grpo.scale_rewards={self.scale_rewards} scales the group estimator only; remove it "
+                                 f"or set grpo.advantages=group (now {self.advantages})")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,7 +166,8 @@ class GRPOTrainer(Recipe):
                                 top_k=g.top_k, n=g.num_generations, stop_ids=tok.eos_ids,
                                 record_routes=c.moe.routing_replay)
         common = dict(batch_size=c.train.batch_size, n=g.num_generations, params=params, length=self.length,
-                      seed=c.data.seed, shuffle=c.data.shuffle, num_iterations=g.num_iterations, scale=g.scale_rewards)
+                      seed=c.data.seed, shuffle=c.data.shuffle, num_iterations=g.num_iterations, scale=g.scale_rewards,
+                      advantages=g.advantages)
         if self.agentic:
             return AgenticRollout(self.prompts, tok, sampler, graphdef, make_env=self.make_env,
                                   max_tokens=c.env.max_tokens, max_turns=c.env.max_turns, fmt=c.env.format,
