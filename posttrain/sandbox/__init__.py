@@ -38,6 +38,7 @@ import functools
 import math
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -84,6 +85,7 @@ class Sandbox:
     max_open_files: int = 64  # RLIMIT_NOFILE
     max_processes: int = 16  # RLIMIT_NPROC: processes + threads of the run (bwrap / uid modes)
     disk_mb: int = 64  # size of the writable tmpfs (bwrap mode)
+    max_inodes: int = 4096  # files + folders the writable tmpfs may hold (bwrap mode: its nr_inodes)
     max_output_bytes: int = 1 << 16  # stdout / stderr bytes read back
     mode: str = "auto"  # auto, bwrap, uid or unsafe_inprocess_guard (see the module docstring)
     python: str = sys.executable  # the interpreter; its folders are bound read-only
@@ -93,9 +95,10 @@ class Sandbox:
         if self.mode not in MODES:
             raise PosttrainError(f"sandbox: unknown mode {self.mode!r}; use one of {', '.join(MODES)}")
         if not (self.timeout_s > 0 and self.memory_mb > 0 and self.max_file_mb > 0 and self.max_open_files > 0
-                and self.max_processes > 0 and self.disk_mb > 0 and self.max_output_bytes > 0):
+                and self.max_processes > 0 and self.disk_mb > 0 and self.max_inodes > 0
+                and self.max_output_bytes > 0):
             raise PosttrainError("sandbox: timeout_s, memory_mb, max_file_mb, max_open_files, max_processes, "
-                                 "disk_mb and max_output_bytes must be > 0")
+                                 "disk_mb, max_inodes and max_output_bytes must be > 0")
 
     @property
     def backend(self) -> str:
@@ -123,42 +126,45 @@ class Sandbox:
             uid = None
             if backend == "bwrap":
                 work, box_in = WORK, BOX
+                os.chmod(outer, 0o711)  # the run's uid passes through to its program folder, lists nothing
             else:
                 work, box_in = os.path.join(outer, "work"), box
                 os.mkdir(work, 0o700)
                 os.chmod(outer, 0o755)
                 if backend == "uid":
-                    uid = _UID_BASE + secrets.randbelow(1 << 20)
+                    uid = _fresh_uid()
                     os.chown(work, uid, uid)
             limits = [str(self.memory_mb << 20), str(cpu), str(self.max_file_mb << 20), str(self.max_open_files),
                       str(self.max_processes if backend != "unsafe_inprocess_guard" else -1), str(int(self.guard))]
             child = [self.python, "-I", "-B", "-u", f"{box_in}/_guard.py", work, f"{box_in}/{entry}", *limits]
             env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LC_ALL": "C.UTF-8",
                    "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-            cgroup = None
+            cgroups, fds = [], ()
             if backend == "bwrap":
-                argv = [_bwrap(), *_bwrap_args(self.python, box, self.disk_mb, env), "--", *child]
-                cgroup = _pids_cgroup(self.max_processes + 2) if os.geteuid() == 0 else None  # + bwrap, its init
-                if cgroup is not None:  # join it, then become bwrap: every task of the run is counted
-                    argv = ["/bin/sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', cgroup, *argv]
+                if os.geteuid() == 0:  # + bwrap, its init and the set-up shell
+                    cgroups = _cgroups(self.max_processes + 3, (self.memory_mb + self.disk_mb + 64) << 20)
+                fds = (_seccomp_fd(),)
+                argv = _bwrap_argv(self, outer, box, env, child, fds[0], cgroups)
             elif backend == "uid":
                 argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *child]
             else:
                 argv = child
             try:
-                return self._launch(argv, env, outer, work, stdin, uid, backend)
+                return self._launch(argv, env, outer, work, stdin, uid, backend, fds)
             finally:
-                if cgroup is not None:
+                for fd in fds:
+                    os.close(fd)
+                for cgroup in cgroups:
                     _remove_cgroup(cgroup)
 
-    def _launch(self, argv, env, outer, work, stdin, uid, backend) -> SandboxResult:
+    def _launch(self, argv, env, outer, work, stdin, uid, backend, fds=()) -> SandboxResult:
         with open(os.path.join(outer, "stdout"), "w+b") as out, open(os.path.join(outer, "stderr"), "w+b") as err, \
                 tempfile.TemporaryFile() as inp:
             inp.write(stdin)
             inp.seek(0)
             start = time.monotonic()
             proc = subprocess.Popen(argv, cwd=work if backend != "bwrap" else outer, env=env, stdin=inp, stdout=out,
-                                    stderr=err, start_new_session=True, close_fds=True)
+                                    stderr=err, start_new_session=True, close_fds=True, pass_fds=fds)
             timed_out = not _wait_unreaped(proc.pid, start + self.timeout_s)
             _kill_group(proc.pid)  # before reaping: the group id cannot belong to anyone else yet
             rc = None if timed_out else proc.wait()
@@ -220,9 +226,38 @@ def _python_dirs(python: str) -> list[str]:
     return [d for d in dirs if not any(d != o and d.startswith(o + "/") for o in dirs)]
 
 
-def _bwrap_args(python: str, box: str, disk_mb: int, env: Mapping[str, str]) -> list[str]:
-    # No capability and an unprivileged uid inside the user namespace: a root-in-namespace with
-    # CAP_SYS_ADMIN could remount the read-only binds writable.
+def _fresh_uid() -> int:
+    """A uid (and gid) of its own for one run: no /etc/passwd entry, no files, no processes, no keys, and its own
+    per-user kernel quotas (processes, inotify instances, key quota)."""
+    return _UID_BASE + secrets.randbelow(1 << 20)
+
+
+def _bwrap_argv(box: "Sandbox", outer: str, prog: str, env: Mapping[str, str], child: list[str], seccomp_fd: int,
+                cgroups: list[str]) -> list[str]:
+    """The command of a bwrap run: a set-up shell in a private mount namespace (as root: joins the run's cgroups,
+    mounts, drops to a fresh uid; not root: a user namespace of its own for the mounts), then bwrap.
+
+    The shell mounts the one writable folder, a tmpfs bounded in bytes and inodes (bwrap's own --tmpfs takes no
+    inode limit), and binds the interpreter's folders beside the run (under `outer`, which the run's uid may
+    traverse): a uid that cannot traverse where they live (pyenv under /root, mode 700) still reaches them."""
+    root = os.geteuid() == 0
+    q = shlex.quote
+    uid = _fresh_uid() if root else 0  # not root: uid 0 of the set-up namespace, which is this user outside
+    work = os.path.join(outer, "work")
+    os.mkdir(work, 0o700)
+    lines = ["set -e"] + [f"echo $$ > {q(os.path.join(c, 'cgroup.procs'))}" for c in cgroups]
+    lines.append(f"mount -t tmpfs -o size={box.disk_mb << 20},nr_inodes={box.max_inodes},mode=0700,uid={uid},"
+                 f"gid={uid},nosuid,nodev posttrain-sandbox {q(work)}")
+    binds = []
+    for i, d in enumerate(d for d in _python_dirs(box.python) if not d.startswith("/usr/")):
+        stage = os.path.join(outer, f"python{i}")
+        os.mkdir(stage, 0o755)
+        lines.append(f"mount --bind {q(d)} {q(stage)}")
+        binds += ["--ro-bind", stage, d]
+    drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"] if root else []
+    # No capability and an unprivileged uid inside the user namespace: a root-in-namespace with CAP_SYS_ADMIN
+    # could remount the read-only binds writable. No devpts (bwrap's --dev): it would make bwrap nest a second user
+    # namespace, and the program needs no terminal.
     args = ["--unshare-all", "--unshare-user", "--cap-drop", "ALL", "--uid", "65534", "--gid", "65534",
             "--die-with-parent", "--new-session", "--clearenv", "--ro-bind", "/usr", "/usr"]
     for name in ("bin", "lib", "lib32", "lib64", "sbin"):  # merged /usr: links; else read-only binds
@@ -231,15 +266,100 @@ def _bwrap_args(python: str, box: str, disk_mb: int, env: Mapping[str, str]) -> 
             args += ["--symlink", os.readlink(path), path]
         elif os.path.isdir(path):
             args += ["--ro-bind", path, path]
-    args += ["--size", str(disk_mb << 20), "--tmpfs", WORK]
-    # After the private /tmp: an interpreter or venv under /tmp (a fresh clone in /tmp) stays visible on top of it.
-    for d in _python_dirs(python):
-        if not d.startswith("/usr/"):
-            args += ["--ro-bind", d, d]
-    args += ["--ro-bind", box, BOX, "--proc", "/proc", "--dev", "/dev", "--chdir", WORK, "--disable-userns"]
+    args += ["--bind", work, WORK]
+    args += binds  # after the private /tmp: an interpreter or venv under /tmp stays visible on top of it
+    args += ["--ro-bind", prog, BOX, "--proc", "/proc", "--ro-bind", "/proc/sys", "/proc/sys",
+             "--ro-bind", "/dev/null", "/proc/keys", "--ro-bind", "/dev/null", "/proc/key-users"]
+    for dev in ("null", "zero", "full", "random", "urandom"):
+        args += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
+    args += ["--symlink", "/proc/self/fd", "/dev/fd"]
+    for i, name in enumerate(("stdin", "stdout", "stderr")):
+        args += ["--symlink", f"/proc/self/fd/{i}", f"/dev/{name}"]
+    args += ["--remount-ro", "/", "--chdir", WORK, "--seccomp", str(seccomp_fd)]
     for k, v in env.items():
         args += ["--setenv", k, v]
-    return args
+    lines.append("exec " + " ".join(q(a) for a in [*drop, _bwrap(), *args, "--", *child]))
+    setup = ["unshare", "--mount", "--propagation", "private"] if root else \
+        ["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private"]
+    return [*setup, "--", "/bin/sh", "-c", "\n".join(lines)]
+
+
+# What the program may not call (EPERM), on top of bwrap's namespaces and --disable-userns: the kernel's keyrings
+# (shared with the host), tracing and other processes' memory, io_uring, userfaultfd, perf, bpf, mounts and
+# namespaces, modules, kexec, clocks, swap, reboot, syslog, file handles, memory outside RLIMIT_AS (memfd, SysV
+# shm / queues / semaphores, POSIX queues), inotify / fanotify (per-user quotas), NUMA policy, terminal injection.
+_DENIED_CALLS = (
+    "add_key", "keyctl", "request_key", "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+    "process_madvise", "io_uring_setup", "io_uring_enter", "io_uring_register", "userfaultfd", "perf_event_open",
+    "bpf", "mount", "umount", "umount2", "pivot_root", "chroot", "unshare", "setns", "move_mount", "open_tree",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr", "kexec_load", "kexec_file_load", "init_module",
+    "finit_module", "delete_module", "reboot", "swapon", "swapoff", "acct", "quotactl", "quotactl_fd", "syslog",
+    "settimeofday", "clock_settime", "clock_adjtime", "adjtimex", "sethostname", "setdomainname", "iopl", "ioperm",
+    "lookup_dcookie", "open_by_handle_at", "name_to_handle_at", "vhangup", "uselib", "ustat", "sysfs", "nfsservctl",
+    "memfd_create", "memfd_secret", "shmget", "shmat", "msgget", "semget", "mq_open", "inotify_init",
+    "inotify_init1", "fanotify_init", "mbind", "set_mempolicy", "migrate_pages", "move_pages",
+    "personality", "vmsplice", "seccomp", "lsm_set_self_attr")
+_CLONE_NS = 0x00020000 | 0x02000000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000 | 0x00000080
+_TIOCSTI, _TIOCLINUX = 0x5412, 0x541C
+_SECCOMP_SO = "/usr/lib/python3/dist-packages"  # Debian's python3-seccomp (make setup installs it)
+
+
+@functools.lru_cache(maxsize=None)
+def _seccomp_module():
+    """libseccomp's own Python bindings: `import seccomp`, else Debian's python3-seccomp module file for this
+    interpreter's ABI (a venv does not see Debian's dist-packages). PosttrainError when neither is there."""
+    try:
+        import seccomp
+
+        return seccomp
+    except ImportError:
+        pass
+    import importlib.util
+
+    path = os.path.join(_SECCOMP_SO, "seccomp" + (sysconfig.get_config_var("EXT_SUFFIX") or ".so"))
+    if not os.path.exists(path):
+        raise PosttrainError(f"sandbox: libseccomp's Python bindings are missing ({path}); make setup installs them "
+                             "(apt-get install python3-seccomp)")
+    spec = importlib.util.spec_from_file_location("seccomp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _seccomp_program() -> bytes:
+    """The filter as BPF (built once a process with libseccomp): allow by default, EPERM for `_DENIED_CALLS`, for
+    clone with a namespace flag and for TIOCSTI / TIOCLINUX; ENOSYS for clone3 (its flags are out of a filter's
+    reach; libc falls back to clone). Only the native ABI: another's calls (i386 int 0x80) kill the process."""
+    sc = _seccomp_module()
+    f = sc.SyscallFilter(sc.ALLOW)
+    eperm = sc.ERRNO(1)
+    for name in _DENIED_CALLS:
+        try:
+            f.add_rule(eperm, name)
+        except (RuntimeError, ValueError, OSError):  # a call this libseccomp or architecture does not know
+            pass
+    f.add_rule(sc.ERRNO(38), "clone3")
+    for bit in range(32):
+        if _CLONE_NS & (1 << bit):
+            f.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, 1 << bit, 1 << bit))
+    for request in (_TIOCSTI, _TIOCLINUX):
+        f.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
+    with tempfile.TemporaryFile() as fh:
+        f.export_bpf(fh)
+        fh.seek(0)
+        return fh.read()
+
+
+def _seccomp_fd() -> int:
+    """A pipe's read end holding the filter, for bwrap's --seccomp (the caller closes it)."""
+    program = _seccomp_program()
+    r, w = os.pipe()
+    try:
+        os.write(w, program)  # a few hundred bytes: far below a pipe's buffer
+    finally:
+        os.close(w)
+    return r
 
 
 @functools.lru_cache(maxsize=None)
@@ -307,23 +427,31 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def _pids_cgroup(limit: int) -> Optional[str]:
-    """As root: a fresh pids cgroup allowing `limit` tasks, or None where none can be made. Behind bwrap as root the
-    run's uid maps to root outside, and the kernel does not apply RLIMIT_NPROC to root's user: without this a fork
-    bomb filled the host's PID table (32768 tasks: every other process then failed to fork or start a thread)."""
-    for root in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):  # cgroup v1's pids hierarchy, or v2's
-        path = os.path.join(root, f"posttrain-sandbox-{secrets.token_hex(6)}")
+def _cgroups(pids: int, memory_bytes: int) -> list[str]:
+    """As root: fresh cgroups for one run, `pids` tasks and `memory_bytes` of memory (page cache, tmpfs and kernel
+    memory included), cgroup v1's pids and memory hierarchies or one v2 group; [] where none can be made.
+    Without the pids limit a fork bomb as root filled the host's PID table (the kernel does not apply RLIMIT_NPROC to
+    a user namespace root owns); without the memory limit memfd and SysV shm held more than RLIMIT_AS."""
+    made = []
+    name = f"posttrain-sandbox-{secrets.token_hex(6)}"
+    v1 = (("/sys/fs/cgroup/pids", (("pids.max", pids),)),
+          ("/sys/fs/cgroup/memory", (("memory.limit_in_bytes", memory_bytes), ("memory.memsw.limit_in_bytes",
+                                                                              memory_bytes))))
+    v2 = (("/sys/fs/cgroup", (("pids.max", pids), ("memory.max", memory_bytes), ("memory.swap.max", 0))),)
+    for root, files in v1 if os.path.isdir("/sys/fs/cgroup/pids") else v2:
+        path = os.path.join(root, name)
         try:
             os.mkdir(path)
         except OSError:
             continue
-        try:
-            with open(os.path.join(path, "pids.max"), "w") as f:
-                f.write(str(limit))
-            return path
-        except OSError:
-            os.rmdir(path)
-    return None
+        made.append(path)
+        for fname, value in files:
+            try:
+                with open(os.path.join(path, fname), "w") as f:
+                    f.write(str(value))
+            except OSError:  # a limit this kernel does not offer (no swap accounting): the others still hold
+                pass
+    return made
 
 
 def _remove_cgroup(path: str) -> None:
