@@ -52,11 +52,13 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium; }
 
-# Model-written code (the python tool, the code_tests reward) runs behind Debian's bubblewrap (posttrain/sandbox),
-# installed when missing.
+# Model-written code (the python tool, the code_tests reward) runs behind Debian's bubblewrap (posttrain/sandbox)
+# with a seccomp filter built by libseccomp's Python bindings (Debian's python3-seccomp: posttrain.sandbox loads its
+# module file into the venv's interpreter of the same Python version), both installed when missing.
 bwrap:
-	@command -v bwrap >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap; }
+	@{ command -v bwrap && [ -n "$$(ls /usr/lib/python3/dist-packages/seccomp.cpython-*.so 2>/dev/null)" ]; } \
+	  >/dev/null 2>&1 || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); $$SUDO apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq bubblewrap python3-seccomp; }
 
 lint: $(STAMP)
 	$(VPY) -m ruff check posttrain tests benchmarks
