@@ -55,6 +55,12 @@ class ModelSection(Section):
     # activation dtype; None = dtype, "bfloat16" for mixed precision
     compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     remat: bool = False  # rematerialise each layer in the backward pass (less memory, ~30% more compute)
+    # what a rematerialised layer keeps: "full" (its input only: least memory) or "dots" (the outputs of its weight
+    # matmuls: only element-wise parts and attention are recomputed); default "full"
+    remat_policy: Literal["full", "dots"] = "full"
+    # matmul precision of the model's forward; None = JAX's default (on a TPU: bfloat16 passes for float32
+    # operands). "highest" for float32-exact matmuls on a TPU; default None
+    matmul_precision: Literal["default", "high", "highest"] | None = None
     seed: Seed = 0  # PRNG seed of a preset's weights, LoRA adapters (and their dropout) and new heads
     # model.path is a multimodal Gemma 4 folder (model_type gemma4): load its text model only (the
     # vision and audio towers are not supported); default false

@@ -76,6 +76,10 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"  # storage dtype of parameters
     remat: bool = False  # recompute each layer's activations in the backward pass (saves memory)
+    remat_policy: str = "full"  # what a remat layer keeps: "dots" (weight-matmul outputs) | "full" (its input only)
+    # matmul precision of the forward ("default" | "high" | "highest"); None = JAX's default. On a TPU the default
+    # runs float32 matmuls through bfloat16 passes: "highest" for float32 exactness (parity tests)
+    matmul_precision: Optional[str] = None
     # Mixture of experts (models/moe.py); num_experts = 0 is a dense model and ignores the rest.
     num_experts: int = 0  # E, routed experts per sparse layer
     experts_per_token: int = 0  # top-k experts each token is sent to
@@ -123,6 +127,11 @@ class ModelConfig:
                 f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                 f"({self.num_kv_heads})"
             )
+        if self.remat_policy not in ("full", "dots"):
+            raise PosttrainError(f"model config: remat_policy {self.remat_policy!r} is not full or dots")
+        if self.matmul_precision not in (None, "default", "high", "highest"):
+            raise PosttrainError(f"model config: matmul_precision {self.matmul_precision!r} is not default, high or "
+                                 "highest")
         if self.activation not in ("silu", "gelu_tanh"):
             raise PosttrainError(f"model config: activation {self.activation!r} is not silu or gelu_tanh")
         if self.layer_types:

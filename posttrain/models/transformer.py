@@ -238,9 +238,17 @@ class Transformer(nnx.Module):
         """(cos, sin) [B, T, H] for `positions` [B, T], per (RopeConfig, head size) the layers use."""
         return {r: rope_cos_sin(positions, *r) for r in {b.rope for b in self.layers}}
 
-    def __call__(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None, branch_ids=None,
-                 return_hidden=False, return_attn=False, return_logits=True, rope_tables=None,
-                 return_router_logits=False, routes=None) -> ModelOutput:
+    def __call__(self, tokens, positions, **kw) -> ModelOutput:
+        """See `forward`; run under the config's matmul precision when it sets one (`ModelConfig.matmul_precision`:
+        "highest" makes float32 matmuls exact on a TPU, whose default passes float32 operands through bfloat16)."""
+        if self.cfg.matmul_precision is None:
+            return self.forward(tokens, positions, **kw)
+        with jax.default_matmul_precision(self.cfg.matmul_precision):
+            return self.forward(tokens, positions, **kw)
+
+    def forward(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None, branch_ids=None,
+                return_hidden=False, return_attn=False, return_logits=True, rope_tables=None,
+                return_router_logits=False, routes=None) -> ModelOutput:
         """tokens, positions: [B, T] int; segment_ids: [B, T] int (0 = padding) or None;
         branch_ids: [B, T] int (0 = shared prefix, b > 0 = continuation b of a prefix-shared row) or None.
 
@@ -292,10 +300,9 @@ class Transformer(nnx.Module):
                 kv = None
             else:
                 kv = cache.linear[i] if blk.linear is not None else (cache.k[i], cache.v[i])
-            if self.cfg.remat and cache is None and i not in want:  # keep only each layer's input for the backward
-                x, kv, attn, router = nnx.remat(lambda b, h, r, m, s, p, q: b(h, r, m, shared_kv=s, per_layer_input=p,
-                                                                            routes=q))(
-                    blk, x, ropes[blk.rope], layout, shared, ple, rt)
+            if self.cfg.remat and cache is None and i not in want:  # recompute the layer in the backward pass
+                x, kv, attn, router = remat_block(blk, self.cfg.remat_policy, x, ropes[blk.rope], layout, shared, ple,
+                                                  rt)
             else:
                 x, kv, attn, router = blk(x, ropes[blk.rope], layout, kv, None if cache is None else cache.index,
                                           i in want, shared, ple, rt)
@@ -322,6 +329,31 @@ class Transformer(nnx.Module):
             attn=tuple(attns) if want else None,
             router_logits=tuple(routers) if return_router_logits else None,
         )
+
+
+# Remat policies by name (`ModelConfig.remat_policy`): what a rematerialised layer keeps from its forward pass.
+#   full: nothing but the layer's input; the backward pass reruns the whole layer (least memory).
+#   dots: the outputs of the weight matmuls (projections, MLP; dots without batch dimensions), so the backward
+#         pass recomputes only the element-wise parts and the attention (whose scores are what memory cannot keep).
+REMAT_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def remat_block(blk: Block, policy: str, x, rope, layout, shared, ple, routes):
+    """`blk(x, rope, layout, ...)` under `jax.checkpoint` with the named policy, through NNX's functional API: the
+    block's weights go in as arguments (LoRA's adapters and the frozen base alike) and its other state (RNG counts
+    of LoRA dropout) comes back out, so no Variable is mutated from inside the checkpoint's trace."""
+    graphdef, params, other = nnx.split(blk, nnx.Param, ...)
+
+    def pure(params, other, x, rope, layout, shared, ple, routes):
+        b = nnx.merge(graphdef, params, other)
+        out = b(x, rope, layout, shared_kv=shared, per_layer_input=ple, routes=routes)
+        return out, nnx.state(b, nnx.Not(nnx.Param))
+
+    out, other = jax.checkpoint(pure, policy=REMAT_POLICIES[policy])(params, other, x, rope, layout, shared, ple,
+                                                                      routes)
+    nnx.update(blk, other)
+    return out
 
 
 def count_params(model_or_state) -> int:

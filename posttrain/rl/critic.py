@@ -27,7 +27,7 @@ from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head, last_
 from posttrain.models.hf import tensor_files
 from posttrain.models.lora import apply_lora
 from posttrain.tokenizer import Tokenizer, check_same_tokenizer
-from posttrain.train.build import build_model, is_classifier
+from posttrain.train.build import build_model, is_classifier, numerics
 from posttrain.train.optim import make_optimizer, schedule
 
 
@@ -68,7 +68,7 @@ def build_critic(c, tok: Tokenizer, policy, mesh=None, rules=None):
             attach_score_head(critic, seed=mc.seed + 1)
         elif critic.score[...].shape[-1] != 1:
             raise PosttrainError(f"ppo.critic_path: {path} has {critic.score[...].shape[-1]} labels; need 1")
-        critic.cfg = critic.cfg.replace(remat=mc.remat)
+        critic.cfg = critic.cfg.replace(**numerics(mc))
     if c.lora.enabled:
         apply_lora(critic, rank=c.lora.rank, alpha=c.lora.alpha, dropout=c.lora.dropout, targets=c.lora.targets,
                    seed=mc.seed + 1)

@@ -60,16 +60,22 @@ def split_devices(sc, sampler_devices: int):
     return every[:want], every[len(every) - sampler_devices:]
 
 
+def numerics(mc) -> dict:
+    """The ModelConfig fields a model section sets beside the weights: remat, its policy, matmul precision."""
+    return dict(remat=mc.remat, remat_policy=mc.remat_policy, matmul_precision=mc.matmul_precision)
+
+
 def preset_config(mc, tok: Tokenizer):
     """The ModelConfig of a preset model section: vocabulary sized to the tokenizer, dtypes, remat."""
     return preset(mc.preset, vocab_size=tok.vocab_size, param_dtype=mc.dtype,
-                  dtype=mc.compute_dtype or mc.dtype, remat=mc.remat)
+                  dtype=mc.compute_dtype or mc.dtype, **numerics(mc))
 
 
 def model_config(mc, tok: Tokenizer):
     """The ModelConfig `build_model` will build for a model section, without building it."""
     if mc.path:
-        return load_config(mc.path, mc.text_only).replace(param_dtype=mc.dtype, dtype=mc.compute_dtype or mc.dtype)
+        return load_config(mc.path, mc.text_only).replace(param_dtype=mc.dtype, dtype=mc.compute_dtype or mc.dtype,
+                                                          **numerics(mc))
     return preset_config(mc, tok)
 
 
@@ -80,7 +86,7 @@ def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None) -> nnx.Mod
     if mc.path:
         model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules,
                                 text_only=mc.text_only)
-        model.cfg = model.cfg.replace(remat=mc.remat)
+        model.cfg = model.cfg.replace(**numerics(mc))
     else:
         cfg = preset_config(mc, tok)
         if mesh is None:

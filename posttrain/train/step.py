@@ -74,7 +74,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
 
     def grads_of(params, rest, batch, frozen_model, rng):
         def f(p):
-            model = nnx.merge(graphdef, p, rest)
+            # `rest` rebuilt inside this trace (tree.map makes new Variables): its RNG counts (LoRA dropout) are then
+            # mutable here; merged as they are, they belong to the outer trace (TraceContextError)
+            model = nnx.merge(graphdef, p, jax.tree.map(lambda x: x, rest))
             moe.collect_router(model)  # MoE: the model's forwards append their router statistics
             total, metrics = loss_fn(model, batch, frozen=frozen_model, rng=rng)
             if (routed := moe.router_loss(model)) is not None:  # MoE only: per denom unit, like the loss

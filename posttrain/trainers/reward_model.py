@@ -36,7 +36,7 @@ from posttrain.models import from_pretrained
 from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head, last_token_scores, score_index
 from posttrain.models.lora import apply_lora
 from posttrain.plan import flops_per_token
-from posttrain.train.build import build_model, is_classifier
+from posttrain.train.build import build_model, is_classifier, numerics
 from posttrain.train.recipe import Parts, Recipe
 
 
@@ -80,7 +80,7 @@ def build_reward_model(c: RMConfig, tok, mesh=None, rules=None) -> nnx.Module:
     if mc.path and is_classifier(mc.path):
         model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules,
                                 head="score", text_only=mc.text_only)
-        model.cfg = model.cfg.replace(remat=mc.remat)
+        model.cfg = model.cfg.replace(**numerics(mc))
         if c.lora.enabled:
             apply_lora(model, rank=c.lora.rank, alpha=c.lora.alpha, dropout=c.lora.dropout, targets=c.lora.targets,
                        seed=mc.seed)
