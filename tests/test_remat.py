@@ -32,7 +32,7 @@ def _model(lora: bool, dropout: float = 0.0, **cfg):
     if lora:
         apply_lora(m, rank=4, dropout=dropout, seed=1)
         for _, mod in nnx.iter_modules(m):  # adapters B start at zero: give them values so A's gradient is not 0
-            if hasattr(mod, "b") and isinstance(getattr(mod, "b"), LoraParam):
+            if hasattr(mod, "b") and isinstance(mod.b, LoraParam):
                 mod.b[...] = 0.1 * jax.random.normal(jax.random.key(2), mod.b[...].shape)
     return m
 
