@@ -22,6 +22,8 @@ Implementations, all giving the same outputs and gradients (tests/test_attention
     runs over active tiles only. Prefix-shared rows therefore cost no attention between branches.
   - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` on NVIDIA GPUs for layouts it
     expresses (no branches, no soft-capping, no cache).
+  - "splash": JAX's Pallas splash-attention kernel on a TPU for causal rows without a cache, branches, window
+    or sinks (models/attention_tpu.py); "splash_interpret" runs the same kernel interpreted on a CPU (tests).
 `choose` picks one from the backend and the static layout facts; it is unit-tested on CPU.
 """
 
@@ -40,6 +42,7 @@ TILE_WORK = 65536  # rows x tile^2: the tile is the largest of 64/128/256 within
 #                   8 x 256 -> 64, 4 x 512 -> 128, 1 x 2048 -> 256 were each the fastest tile, 2-5x the dense path)
 BLOCK = None  # a fixed tile size instead (tests set it)
 DENSE_MAX = 64  # rows no longer than this use the dense path
+TPU_TILE = 512  # blockwise tile on a TPU (prefix-shared rows, windows, caches: what splash does not take)
 
 
 @jax.tree_util.register_dataclass
@@ -95,25 +98,31 @@ def attention(q, k, v, layout: Layout, *, window: Optional[int], scale: float, c
     if impl == "auto":
         impl = choose(jax.default_backend(), T=q.shape[1], S=k.shape[2], branches=layout.q_branch is not None,
                       softcap=cap is not None or sinks is not None, cached=not layout.causal_aligned,
-                      return_probs=return_probs)
+                      return_probs=return_probs, window=window is not None, sinks=sinks is not None)
     if impl == "dense" or return_probs:
         return dense(q, k, v, layout.mask(window), scale=scale, cap=cap, return_probs=return_probs, sinks=sinks)
     if impl == "cudnn":
         if sinks is not None:
             raise ValueError("the cudnn attention has no sinks; use dense or blockwise")
         return _cudnn(q, k, v, layout, window=window, scale=scale), None
+    if impl in ("splash", "splash_interpret"):  # Pallas on a TPU (models/attention_tpu.py); interpreted on a CPU
+        from posttrain.models.attention_tpu import splash
+
+        return splash(q, k, v, layout, scale=scale, cap=cap, interpret=impl == "splash_interpret"), None
     if impl != "blockwise":
         raise ValueError(f"unknown attention implementation {impl!r}")
     return blockwise(q, k, v, layout, window=window, scale=scale, cap=cap, sinks=sinks), None
 
 
 def choose(backend: str, *, T: int, S: int, branches: bool, softcap: bool, cached: bool,
-           return_probs: bool = False) -> str:
-    """The implementation for these static facts (see the module docstring)."""
+           return_probs: bool = False, window: bool = False, sinks: bool = False) -> str:
+    """The implementation for these static facts (see the module docstring). `softcap` is true with sinks too."""
     if return_probs or T == 1 or max(T, S) <= DENSE_MAX:
         return "dense"
     if backend == "gpu" and not (branches or softcap or cached):
         return "cudnn"
+    if backend == "tpu" and not (branches or cached or window or sinks):
+        return "splash"
     return "blockwise"
 
 
@@ -153,7 +162,12 @@ def blockwise(q, k, v, layout: Layout, *, window, scale, cap, block_q: Optional[
     """Tiled attention with skipped tiles and a recomputing backward pass; equals `dense`."""
     B, T = q.shape[:2]
     S = k.shape[2]
-    tile = BLOCK or max([64] + [t for t in (64, 128, 256) if B * t * t <= TILE_WORK])
+    if BLOCK:
+        tile = BLOCK
+    elif jax.default_backend() == "tpu":  # the loop's per-tile cost dominates small tiles there: few, large ones
+        tile = TPU_TILE
+    else:
+        tile = max([64] + [t for t in (64, 128, 256) if B * t * t <= TILE_WORK])
     bq, bk = min(block_q or tile, T), min(block_k or tile, S)
     Tp, Sp = -(-T // bq) * bq, -(-S // bk) * bk
     lay = _padded_layout(layout, Tp, Sp)
