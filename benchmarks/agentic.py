@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The tool-use learning recipe (issue #13), end to end on a CPU: held-out accuracy and tool use before / after GRPO.
 
-1. `agentic.recipe.prepare(out)`: `tool_arithmetic` data (3-digit products; 2000 training prompts,
+1. `demos.agentic.prepare(out)`: `tool_arithmetic` data (3-digit products; 2000 training prompts,
    200 held-out) and demo-tiny SFT-ed from scratch on episodes that call the calculator for half of
    the problems and guess the answer for the others (tool outputs never trained);
 2. episodes on the held-out problems (`agentic.rollout.evaluate`), greedy (the headline) and sampled at
@@ -38,10 +38,11 @@ args = ap.parse_args()
 
 import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
 from posttrain import config as C  # noqa: E402
-from posttrain.agentic import recipe, task  # noqa: E402
 from posttrain.agentic.rollout import evaluate  # noqa: E402
+from posttrain.demos import agentic as recipe  # noqa: E402
 from posttrain.models import from_pretrained  # noqa: E402
 from posttrain.runs import export_run  # noqa: E402
+from posttrain.tasks import tool_arithmetic as task  # noqa: E402
 from posttrain.tokenizer import byte_tokenizer  # noqa: E402
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 

@@ -2,7 +2,7 @@
 """Rollout variants in the demo's GRPO stage (issue #37): held-out accuracy, mismatch and speed against the default.
 
 Needs a finished `make demo` (its SFT export and data in --demo). Runs the demo's GRPO stage (same steps, seed,
-LoRA, reward; `tasks/demo.grpo_stage`) four ways into --out: float32 on-policy sampling (the demo as it is), a
+LoRA, reward; `demos/demo.grpo_stage`) four ways into --out: float32 on-policy sampling (the demo as it is), a
 bfloat16 sampler without correction, a bfloat16 sampler with truncated importance sampling (rollout.is_mode
 token_truncate, is_clip_max 3: TIS), and off-policy rollouts one step stale (rollout.max_staleness 1). Each
 run is exported and scored greedily on the 200 held-out questions as
@@ -35,11 +35,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
+from posttrain.demos import demo  # noqa: E402
 from posttrain.generate import Sampler, SamplingParams  # noqa: E402
 from posttrain.models import from_pretrained  # noqa: E402
 from posttrain.report import collect_series, read_metrics  # noqa: E402
 from posttrain.runs import export_run  # noqa: E402
-from posttrain.tasks import addition, demo  # noqa: E402
+from posttrain.tasks import addition  # noqa: E402
 from posttrain.tokenizer import byte_tokenizer  # noqa: E402
 
 _, held = addition.make_pairs(digits=2, seed=0, n_eval=200)

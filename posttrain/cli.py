@@ -203,7 +203,7 @@ def _schema(args) -> None:
 
 
 def _demo(args) -> None:
-    from posttrain.tasks import demo
+    from posttrain.demos import demo
 
     demo.run(out_dir=args.out, quick=args.quick)
 

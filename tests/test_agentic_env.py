@@ -1,6 +1,6 @@
 """Tool-call parsing (Hermes/Qwen, Llama 3, Gemma: valid, malformed, none), the tool environment on a
 scripted episode, and the tool_arithmetic task (split, verifier, demonstrations whose tool outputs are
-never trained) (posttrain/agentic/parsing.py, env.py, task.py)."""
+never trained) (posttrain/agentic/parsing.py, env.py; posttrain/tasks/tool_arithmetic.py)."""
 
 import json
 
@@ -23,9 +23,9 @@ from posttrain.agentic import (
     stop_strings,
     tool_message,
 )
-from posttrain.agentic import task as tool_task
 from posttrain.agentic.tools import Calculator
 from posttrain.errors import PosttrainError
+from posttrain.tasks import tool_arithmetic as tool_task
 
 CALC = {"calculator": Calculator()}
 

@@ -303,7 +303,7 @@ def test_bad_gguf(case, tiny, tmp_path, capsys):
 
 
 def _real_gguf() -> Path:
-    from posttrain.tasks.real_model import gguf_path
+    from posttrain.demos.real_model import gguf_path
 
     return gguf_path()
 
@@ -459,8 +459,8 @@ def test_demo_real_quick_path(tiny, tmp_path, monkeypatch):
     import torch
     from transformers import AutoModelForCausalLM
 
+    from posttrain.demos import demo_real
     from posttrain.runs import export_run_gguf
-    from posttrain.tasks import demo_real
 
     monkeypatch.setitem(demo_real.QUICK, "dpo", [*demo_real.QUICK["dpo"], "optim.warmup_steps=0", "optim.lr=1e-3"])
     out = tmp_path / "demo-real"

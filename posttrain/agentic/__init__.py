@@ -1,4 +1,4 @@
-"""Agentic episodes (issue #13): tools, tool-call parsing, environments and a built-in tool task.
+"""Agentic episodes (issue #13): tools, tool-call parsing, environments and their batched rollouts.
 
 What it is (one idea a module):
   tools.py           Tool protocol; `calculator` (exact, ast-based) and `python` (subprocess with time,
@@ -8,15 +8,14 @@ What it is (one idea a module):
   parsing.py         tool calls in Hermes/Qwen `<tool_call>`, Llama 3 JSON and Gemma ```tool_code formats;
                      malformed calls are ToolCallError values; tool results as text or chat messages
   env.py             Environment protocol (reset / step), ToolEnv (parse, run the tool, score at the end),
-                     run_episode, encode_segments (ids + loss mask; tool outputs untrained)
-  task.py            tool_arithmetic: long products / sums, seeded disjoint split, verifier, demonstrations
+                     run_episode, encode_segments (ids + loss mask; tool outputs untrained), verify_answer
   rollout.py         run_episodes: batched multi-turn episodes on the shared sampler (Sampler.begin / extend:
                      the KV cache extended with each tool output, finished episodes leave the batch);
                      episode_rows (GRPO rows, tool outputs masked), AgenticRollout (GRPO's batch source),
                      evaluate (held-out accuracy and tool-use rate)
   config.py          the `env:` and `tools:` sections of `posttrain grpo`; make_env_factory
-  recipe.py          the learning recipe's start: task data and a tiny model SFT-ed to call the calculator
-                     sometimes (benchmarks/agentic.py runs the whole recipe)
+The built-in tool task is `posttrain.tasks.tool_arithmetic`; the learning recipe's start (task data and a
+tiny model SFT-ed to call the calculator sometimes) is the demo `posttrain.demos.agentic`.
 
 What it is not: chat-template rendering of tool turns for a real tokenizer's roles (observations are
 appended as text, `render_tool_result`), nor a sandbox for untrusted code (see tools.py).

@@ -24,7 +24,7 @@ import importlib
 from typing import Callable, Literal, Optional
 
 from posttrain import config as C
-from posttrain.agentic.env import ToolEnv
+from posttrain.agentic.env import ToolEnv, verify_answer
 from posttrain.agentic.tools import TOOLS, Tool, make_tools
 from posttrain.errors import PosttrainError
 from posttrain.sandbox import MODES
@@ -117,9 +117,7 @@ def build_tools(section: ToolsSection) -> dict[str, Tool]:
 
 def resolve_verifier(name: str) -> Callable:
     if name == "answer":
-        from posttrain.agentic.task import verify
-
-        return verify
+        return verify_answer
     fn = _import(name, "env.verifier")
     if not callable(fn):
         raise PosttrainError(f"env.verifier: {name!r} is not a function")

@@ -16,6 +16,8 @@ What it is:
 - `run_episode(env, policy, row)`: drive an episode with `policy(transcript) -> action` (a
   scripted policy in tests, or a per-episode wrapper around a sampler).
 - `encode_segments(segments, encode)`: token ids and the loss mask (1 = trainable) of a segment list.
+- `verify_answer(row, final action)`: the built-in verifier (`env.verifier: answer`): 1.0 when the final
+  action's answer (`#### N`, else its last number) equals row["answer"].
 
 What it is not: the batched rollout on the shared sampler (KV cache extended between turns,
 tool-output tokens masked from the policy loss by position: that lives with the sampler and
@@ -32,6 +34,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union, 
 from posttrain.agentic.parsing import ToolCall, ToolCallError, parse_tool_call, render_tool_result
 from posttrain.agentic.tools import Tool
 from posttrain.errors import PosttrainError
+from posttrain.rewards.functions import answers_match, extract_answer
 
 Segment = tuple[str, bool]  # (text, trainable)
 
@@ -162,3 +165,9 @@ def encode_segments(segments: Sequence[Segment], encode: Callable[[str], list[in
         ids += piece
         mask += [int(bool(trainable))] * len(piece)
     return ids, mask
+
+
+def verify_answer(row: Mapping, final_action: str) -> float:
+    """1.0 when the final action's answer (`#### N`, else its last number) equals row["answer"], else 0.0."""
+    pred = extract_answer(str(final_action), last_number=True)
+    return float(pred is not None and answers_match(pred, str(row["answer"])))

@@ -1,4 +1,4 @@
-"""Built-in tasks with verifiable answers, and the tiny-model recipe behind `posttrain demo`.
+"""Built-in tasks with verifiable answers: the rows of `posttrain demo` and of the learning tests.
 
 What it is: a registry of synthetic tasks, `make(task, difficulty=..., seed=..., n_eval=...) ->
 TaskData`, where every task gives the same five things from one seed:
@@ -14,8 +14,11 @@ Tasks: `addition` (addition.make_pairs, two numbers of `difficulty` digits, as t
 `countdown` (reach a target from given numbers with + - * /). `difficulty` is an int level (see
 each module's LEVELS) or a dict of that task's knobs (e.g. {"digits": 3, "operands": 4}).
 
+`tool_arithmetic` (its own module, not in TASKS: its rows are tool-use episodes for `posttrain.agentic`)
+gives long products / sums a tiny model can compute only with the calculator tool.
+
 What it is not: a data loader (write rows with `addition.write_jsonl`, then point `data.train` at
-the file) nor the demo itself (`tasks/demo.py`).
+the file) nor the demos that train on them (`posttrain/demos/`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What every built-in task shares: `TaskData` (the rows a task gives) and the helpers the task modules
 build it with (`resolve_difficulty`, `sample_unique`, `build`).
 
-Its own module so that the task modules (arithmetic.py, countdown.py, agentic/task.py) and the registry
+Its own module so that the task modules (arithmetic.py, countdown.py, tool_arithmetic.py) and the registry
 in `posttrain.tasks` (the package, which imports the task modules) all import it and not each other.
 `posttrain.tasks` re-exports these names: `from posttrain.tasks import TaskData` keeps working.
 """

@@ -1,7 +1,7 @@
 """The tool-use learning recipe's first half: the task's data and a tiny model that calls the calculator sometimes.
 
 What it is:
-- `write_data(out, ...)`: `tool_arithmetic` rows (`task.py`) as `<out>/data/prompts.jsonl` (training
+- `write_data(out, ...)`: `tool_arithmetic` rows (`tasks/tool_arithmetic.py`) as `<out>/data/prompts.jsonl` (training
   prompts for `posttrain grpo` with `env.enabled`) and `<out>/data/eval.jsonl` (held-out problems).
 - `sft_examples(rows, tok, tool_fraction=...)`: SFT episodes as (ids, loss mask): a fraction of the
   rows as the demonstration with the calculator (`task.demonstration`: the call, the calculator's
@@ -28,8 +28,8 @@ from typing import Sequence
 
 import numpy as np
 
-from posttrain.agentic import task
 from posttrain.agentic.env import encode_segments
+from posttrain.tasks import tool_arithmetic as task
 
 DATA = dict(difficulty=2, seed=0, n_train=2000, n_eval=200)  # 3-digit products: the calculator is needed
 

