@@ -234,6 +234,15 @@ def test_cli_lora_dpo_then_export(tmp_path):
     rows = [json.loads(line) for line in open(run / "metrics.jsonl") if "rewards/margins" in line]
     assert rows and all(k in rows[0] for k in ("rewards/chosen", "rewards/rejected", "rewards/accuracies"))
     assert cli.main(["export", "--run", str(run), "--out", str(out)]) == 0
-    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    # the export (read by transformers, LoRA merged) holds the trainer's policy: the run resumed from its last
+    # checkpoint, adapters on, gives the same logits
+    trained = DPOTrainer(C.load(DPOConfig, str(run / "config.yaml")), progress=False)
+    assert trained.train()["step"] == 3
+    ids = np.array([[1, 50, 60, 70, 80, 90]])
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     with torch.no_grad():
-        assert torch.isfinite(model(torch.tensor([[1, 50, 60]])).logits).all()
+        theirs = model(torch.tensor(ids)).logits.numpy()
+    ours = np.asarray(trained.model(jnp.asarray(ids), jnp.arange(ids.shape[1])[None]).logits)
+    np.testing.assert_allclose(theirs, ours, atol=1e-5)
+    base = np.asarray(adapters_off(trained.model)(jnp.asarray(ids), jnp.arange(ids.shape[1])[None]).logits)
+    assert np.abs(ours - base).max() > 1e-4  # the 3 LoRA steps moved the policy: the export is not the base model
