@@ -1,37 +1,40 @@
 """The code_tests harness, run inside posttrain.sandbox as the entry program (it imports nothing from posttrain).
 
-It reads its spec from stdin before any model code runs ({"marker": str, "tests": source of a function
-`__tests__(__plain__, __check__, *builtins)`, "builtins": [names]}), executes /sandbox/main.py (the
-model's code) in a fresh namespace, then calls `__tests__` with genuine builtins and two functions of
-its own: `__plain__(value)` returns a rebuilt copy of a value that is plain data (exactly None, bool,
-int, float, str, bytes, list, tuple, set, frozenset, dict, or a generator / range / map / filter /
-zip / enumerate of those) and raises otherwise, so no object the model built reaches a comparison;
-functions and classes pass through unchanged (to be called: a call's result is checked again);
-`__check__(i, values)` records the encoded operands of assert number i. It then writes one line,
-marker + JSON of the records, and exits at once (`os._exit`: no atexit hook or thread of the model's
-runs after it). The parent (posttrain/rewards/code.py) decodes the records and does the comparisons.
+It executes /sandbox/main.py (the model's code) in a fresh namespace, then answers requests from the trainer, one
+JSON line each on stdin, with one JSON line each on the reply descriptor ($POSTTRAIN_REPLY_FD, see
+`Sandbox.drive`): {"op": "ready"} (None once the program has loaded), {"op": "name", "name": n} (a top-level name
+of the program), {"op": "attr", "ref": i, "name": n} (an attribute of an object kept here) or
+{"op": "call", "ref": i, "args": [...], "kwargs": {...}} (a call of one).
+The answer is {"value": v} when the result is plain data (exactly None, bool, int, float, str, bytes, list, tuple,
+set, frozenset, dict, or a generator / range / map / filter / zip / enumerate of those; encoded as in
+posttrain/rewards/code.py), {"ref": i} for any other object (kept here: a function, a class, an instance), or
+{"raised": type name, "message": text} when the program raised. It exits when stdin closes.
+
+What it is not: a judge. It never sees the tests or an expected value: the trainer runs the tests, calls the
+program's functions through these requests, and compares what comes back (posttrain/rewards/code.py). The program
+shares this process and may rewrite any of it; all that can change is what its own functions answer.
 """
 
 import sys
 
 
 def _main() -> None:
+    import builtins
     import json
     import os
     import types
 
-    spec = json.loads(sys.stdin.read())
-    sys.stdin.close()
-    marker, write, dumps, exit_now = spec["marker"], os.write, json.dumps, os._exit
-    import builtins
-
-    genuine = dict(builtins.__dict__)
-    _type, _len, _list, _isinstance, _repr = type, len, list, isinstance, repr
+    reply_fd = int(os.environ.pop("POSTTRAIN_REPLY_FD"))
+    read, write, loads, dumps, exit_now = os.read, os.write, json.loads, json.dumps, os._exit
+    _type, _repr, _str, _len = type, repr, str, len
     iters = (types.GeneratorType, range, map, filter, zip, enumerate, reversed)
     iter_types = tuple(_type(x) for x in (iter([]), iter(()), iter(""), iter({}), iter(set())))
-    budget = [200_000]  # encoded items in all: a giant value is a failure, not a hang
+    objects = []
 
-    def encode(v, depth=0):
+    class NotPlain(Exception):
+        pass
+
+    def encode(v, budget, depth=0):
         budget[0] -= 1
         if budget[0] < 0 or depth > 50:
             raise ValueError("value too large or too deep")
@@ -43,23 +46,24 @@ def _main() -> None:
         if t is bytes:
             return {"$bytes": v.hex()}
         if t is list:
-            return [encode(x, depth + 1) for x in _list.__iter__(v)]
+            return [encode(x, budget, depth + 1) for x in list.__iter__(v)]
         if t is tuple:
-            return {"$tuple": [encode(x, depth + 1) for x in tuple.__iter__(v)]}
+            return {"$tuple": [encode(x, budget, depth + 1) for x in tuple.__iter__(v)]}
         if t is set or t is frozenset:
-            return {"$set": [encode(x, depth + 1) for x in t.__iter__(v)]}
+            return {"$set": [encode(x, budget, depth + 1) for x in t.__iter__(v)]}
         if t is dict:
-            return {"$dict": [[encode(k, depth + 1), encode(x, depth + 1)] for k, x in dict.items(v)]}
+            return {"$dict": [[encode(k, budget, depth + 1), encode(x, budget, depth + 1)] for k, x in dict.items(v)]}
         if t in iters or t in iter_types:
-            return {"$list": [encode(x, depth + 1) for x in v]}
-        raise TypeError(f"a {t.__name__} is not plain data (None, bool, int, float, str, bytes, list, tuple, "
-                        "set, dict)")
+            return {"$list": [encode(x, budget, depth + 1) for x in v]}
+        raise NotPlain(t.__name__)
 
     def decode(e):
         if _type(e) is list:
             return [decode(x) for x in e]
         if _type(e) is dict:
             (tag, x), = e.items()
+            if tag == "$ref":
+                return objects[x]
             if tag == "$float":
                 return float(x)
             if tag == "$bytes":
@@ -69,40 +73,60 @@ def _main() -> None:
             if tag == "$tuple":
                 return tuple(decode(y) for y in x)
             if tag == "$set":
-                return frozenset(decode(y) for y in x)
+                return set(decode(y) for y in x)
             return {decode(k): decode(y) for k, y in x}
         return e
 
-    records = []
+    def answer(v):
+        if _type(v) in (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, types.ModuleType):
+            objects.append(v)  # kept, to be called (HumanEval's check(candidate)) or looked into
+            return {"ref": _len(objects) - 1}
+        try:
+            return {"value": encode(v, [200_000])}  # a giant value is a failure, not a hang
+        except NotPlain:
+            objects.append(v)
+            return {"ref": _len(objects) - 1}
 
-    callables = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
-
-    def plain(v):
-        if _type(v) in callables:  # passed on (HumanEval's check(candidate)); a record of one is refused
-            return v
-        return decode(encode(v))
-
-    def check(i, values):
-        records.append([i, [encode(v) for v in values]])
-
-    def finish(error=None):
-        line = marker + dumps({"records": records, "error": error}) + "\n"
-        data = line.encode()
-        while data:
-            data = data[write(1, data):]
-        exit_now(0)
-
-    with open(os.path.join(os.path.dirname(sys.argv[2]), "main.py"), encoding="utf-8") as f:  # beside this file
-        source = f.read()
     namespace = {"__name__": "__main__", "__builtins__": builtins}
+    failed = None
     try:
+        with open(os.path.join(os.path.dirname(sys.argv[2]), "main.py"), encoding="utf-8") as f:  # beside this file
+            source = f.read()
         exec(compile(source, "main.py", "exec"), namespace)
-        exec(compile(spec["tests"], "tests.py", "exec"), namespace)
-        tests = namespace["__tests__"]
-        tests(plain, check, *(genuine[n] for n in spec["builtins"]))
-    except BaseException as exc:  # noqa: B036  (SystemExit too: the tests did not finish)
-        finish(f"{_type(exc).__name__}: {str(exc)[:300]}")
-    finish()
+    except BaseException as exc:  # noqa: B036  (SystemExit too: the program did not load)
+        failed = f"{_type(exc).__name__}: {_str(exc)[:300]}"
+    buffer = b""
+    while True:
+        while b"\n" not in buffer:
+            chunk = read(0, 1 << 16)
+            if not chunk:
+                exit_now(0)
+            buffer += chunk
+        line, buffer = buffer.split(b"\n", 1)
+        try:
+            if failed is not None:
+                raise RuntimeError(f"the program failed to load: {failed}")
+            req = loads(line)
+            if req["op"] == "ready":  # the program loaded (its top-level code finished)
+                out = {"value": None}
+            elif req["op"] == "name":
+                out = answer(namespace[req["name"]])
+            elif req["op"] == "attr":
+                out = answer(getattr(objects[req["ref"]], req["name"]))
+            else:
+                out = answer(objects[req["ref"]](*decode(req["args"]),
+                                                 **{k: decode(v) for k, v in req["kwargs"].items()}))
+        except BaseException as exc:  # noqa: B036  (the program's exception, whatever it is, is its answer)
+            try:
+                out = {"raised": _type(exc).__name__, "message": _str(exc)[:300]}
+            except BaseException:  # noqa: B036
+                out = {"raised": "Exception", "message": ""}
+        try:
+            data = (dumps(out) + "\n").encode()
+        except BaseException as exc:  # noqa: B036  (an int too long for JSON, say)
+            data = (dumps({"raised": "ValueError", "message": _str(_type(exc).__name__)}) + "\n").encode()
+        while data:
+            data = data[write(reply_fd, data):]
 
 
 _main()

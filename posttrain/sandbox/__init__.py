@@ -35,9 +35,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import secrets
+import select
 import shlex
 import shutil
 import signal
@@ -47,7 +49,7 @@ import sysconfig
 import tempfile
 import time
 import warnings
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from posttrain.errors import PosttrainError
 
@@ -110,7 +112,18 @@ class Sandbox:
         the program does."""
         return self._run(files, entry, stdin, self.backend)
 
-    def _run(self, files: Mapping[str, str], entry: str, stdin: bytes, backend: str) -> SandboxResult:
+    def drive(self, files: Mapping[str, str], entry: str, driver: Callable[[Callable[[Any], Any]], Any]
+              ) -> tuple[SandboxResult, Any]:
+        """Run `entry` with a request / reply channel while `driver(ask)` runs here: `ask(obj)` writes `obj` as one
+        JSON line to the program's stdin and returns the JSON value of the next line the program writes to the
+        descriptor named by its environment's POSTTRAIN_REPLY_FD (EOFError, OSError, TimeoutError or ValueError when
+        it does not answer within the run's time limit, answers more than max_output_bytes, or not JSON). After the
+        driver returns, the program's stdin is closed and the run ends as `run`'s does. Returns (the run's result,
+        the driver's value); an exception of the driver propagates once the run is cleaned up."""
+        return self._run(files, entry, b"", self.backend, driver)
+
+    def _run(self, files: Mapping[str, str], entry: str, stdin: bytes, backend: str,
+             driver: Optional[Callable] = None):
         cpu = self.cpu_s if self.cpu_s is not None else math.ceil(self.timeout_s) + 1
         with tempfile.TemporaryDirectory(prefix="posttrain-sandbox-", ignore_cleanup_errors=True) as outer:
             box = os.path.join(outer, "box")
@@ -139,7 +152,10 @@ class Sandbox:
             child = [self.python, "-I", "-B", "-u", f"{box_in}/_guard.py", work, f"{box_in}/{entry}", *limits]
             env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LC_ALL": "C.UTF-8",
                    "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-            cgroups, fds = [], ()
+            cgroups, fds, channel = [], (), None
+            if driver is not None:  # requests on stdin, replies on a pipe of their own (stdout stays the program's)
+                channel = (*os.pipe(), *os.pipe())  # request read / write, reply read / write
+                env["POSTTRAIN_REPLY_FD"] = str(channel[3])
             if backend == "bwrap":
                 if os.geteuid() == 0:  # + bwrap, its init and the set-up shell
                     cgroups = _cgroups(self.max_processes + 3, (self.memory_mb + self.disk_mb + 64) << 20)
@@ -149,22 +165,38 @@ class Sandbox:
                 argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *child]
             else:
                 argv = child
+            if channel is not None:
+                fds = (*fds, channel[3])
+            owned = {*fds, *(channel or ())}  # each closed once: a second close could hit another thread's file
             try:
-                return self._launch(argv, env, outer, work, stdin, uid, backend, fds)
+                return self._launch(argv, env, outer, work, stdin, uid, backend, fds, driver, channel, owned)
             finally:
-                for fd in fds:
+                for fd in owned:
                     os.close(fd)
                 for cgroup in cgroups:
                     _remove_cgroup(cgroup)
 
-    def _launch(self, argv, env, outer, work, stdin, uid, backend, fds=()) -> SandboxResult:
+    def _launch(self, argv, env, outer, work, stdin, uid, backend, fds=(), driver=None, channel=None, owned=None):
         with open(os.path.join(outer, "stdout"), "w+b") as out, open(os.path.join(outer, "stderr"), "w+b") as err, \
                 tempfile.TemporaryFile() as inp:
-            inp.write(stdin)
-            inp.seek(0)
+            if channel is None:
+                inp.write(stdin)
+                inp.seek(0)
             start = time.monotonic()
-            proc = subprocess.Popen(argv, cwd=work if backend != "bwrap" else outer, env=env, stdin=inp, stdout=out,
-                                    stderr=err, start_new_session=True, close_fds=True, pass_fds=fds)
+            proc = subprocess.Popen(argv, cwd=work if backend != "bwrap" else outer, env=env,
+                                    stdin=inp if channel is None else channel[0], stdout=out, stderr=err,
+                                    start_new_session=True, close_fds=True, pass_fds=fds)
+            value, failure = None, None
+            if channel is not None:
+                for fd in (channel[0], channel[3]):  # the child's ends: an exit of the program is then EOF here
+                    owned.discard(fd)
+                    os.close(fd)
+                try:
+                    value = driver(_Channel(channel[1], channel[2], start + self.timeout_s, self.max_output_bytes))
+                except BaseException as e:  # noqa: B036  (re-raised below, once the run is cleaned up)
+                    failure = e
+                owned.discard(channel[1])
+                os.close(channel[1])  # EOF on the program's stdin: it is done
             timed_out = not _wait_unreaped(proc.pid, start + self.timeout_s)
             _kill_group(proc.pid)  # before reaping: the group id cannot belong to anyone else yet
             rc = None if timed_out else proc.wait()
@@ -175,8 +207,10 @@ class Sandbox:
                 _kill_uid(uid)
             seconds = time.monotonic() - start
             stdout, stderr = (_read_head(fh, self.max_output_bytes) for fh in (out, err))
-        status = _status(rc, timed_out, stderr)
-        return SandboxResult(status, stdout, stderr, rc, seconds, backend)
+        result = SandboxResult(_status(rc, timed_out, stderr), stdout, stderr, rc, seconds, backend)
+        if failure is not None:
+            raise failure
+        return result if channel is None else (result, value)
 
     def explain(self, r: SandboxResult) -> str:
         """A one-line "Error: ..." head for a result that is not ok ("" when ok)."""
@@ -190,6 +224,37 @@ class Sandbox:
         if r.status == "error":
             return f"Error: the program exited with status {r.returncode}."
         return ""
+
+
+class _Channel:
+    """`ask(obj)`: one JSON line to the program, the next JSON line back (see `Sandbox.drive`), within a deadline."""
+
+    def __init__(self, write_fd: int, read_fd: int, deadline: float, max_bytes: int):
+        self.write_fd, self.read_fd, self.deadline, self.max_bytes, self.buffer = write_fd, read_fd, deadline, \
+            max_bytes, b""
+        os.set_blocking(write_fd, False)
+
+    def _wait(self, fd: int, write: bool) -> None:
+        left = self.deadline - time.monotonic()
+        ready = select.select([], [fd], [], max(left, 0)) if write else select.select([fd], [], [], max(left, 0))
+        if not any(ready):
+            raise TimeoutError("sandbox: the program did not answer within the time limit")
+
+    def __call__(self, obj: Any) -> Any:
+        data = (json.dumps(obj) + "\n").encode()
+        while data:
+            self._wait(self.write_fd, True)
+            data = data[os.write(self.write_fd, data):]
+        while b"\n" not in self.buffer:
+            if len(self.buffer) > self.max_bytes:
+                raise ValueError(f"sandbox: the program's answer is longer than {self.max_bytes} bytes")
+            self._wait(self.read_fd, False)
+            chunk = os.read(self.read_fd, 1 << 16)
+            if not chunk:
+                raise EOFError("sandbox: the program closed its channel (it exited or was killed)")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
 
 
 def _status(rc, timed_out, stderr) -> str:
