@@ -1,6 +1,13 @@
 """The package's shape: the import graph of posttrain/ (every `import`, function-local ones too) has no
 cycle, no module imports another module's `_private` name, `losses/` imports nothing from `models/`,
-`rewards/` nothing from `agentic/`, and no recipe module under trainers/ is over 220 lines."""
+`rewards/` nothing from `agentic/`, `agentic/` nothing from `tasks/`; the library (everything but
+`demos/`, and the CLI, the face above everything, which loads a demo inside its `demo` command) never
+imports `demos/`; no recipe module under trainers/ imports another or is over 220 lines.
+
+Not checked yet (#53, they do not hold today): `models/` imports the tokenizer (models/gguf.py's
+export_model_dir: the strict xfail below fails once it is gone, so the mark goes with it); `train/` imports
+rewards, evals and data (train/recipe.py: data.prompts, evals, rewards.registry) and the tokenizer
+(train/build.py): the engine / recipe driver split of #53 is to end that."""
 
 import ast
 import os
@@ -101,11 +108,32 @@ def test_no_module_imports_another_modules_private_name():
     assert private == []
 
 
-@pytest.mark.parametrize("low,high", [("posttrain.losses", "posttrain.models"),
-                                      ("posttrain.rewards", "posttrain.agentic")])
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("low,high", [
+    ("posttrain.losses", "posttrain.models"),
+    ("posttrain.rewards", "posttrain.agentic"),
+    ("posttrain.agentic", "posttrain.tasks"),
+    pytest.param("posttrain.models", "posttrain.tokenizer", marks=pytest.mark.xfail(
+        strict=True, reason="models/gguf.py export_model_dir imports posttrain.tokenizer (#53)")),
+])
 def test_layers_do_not_import_upward(low, high):
+    wrong = [(src, target) for src, target, _ in IMPORTS if _under(src, low) and _under(target, high)]
+    assert wrong == []
+
+
+def test_the_library_never_imports_the_demos():
     wrong = [(src, target) for src, target, _ in IMPORTS
-             if src.startswith(low) and (target == high or target.startswith(high + "."))]
+             if _under(target, "posttrain.demos") and not _under(src, "posttrain.demos") and src != "posttrain.cli"]
+    assert wrong == []
+    assert ("posttrain.cli", "posttrain.demos.demo", None) in IMPORTS  # the check sees the CLI's lazy import
+
+
+def test_no_trainer_imports_another():
+    wrong = [(src, target) for src, target, _ in IMPORTS
+             if _under(src, "posttrain.trainers") and _under(target, "posttrain.trainers") and src != target]
     assert wrong == []
 
 
