@@ -265,7 +265,7 @@ def test_bad_row_names_file_line_and_exits_2(tmp_path, capsys, k):
 
 def test_cli_kto_three_steps_then_export(tmp_path, capsys):
     """3 steps of `posttrain kto` on unpaired rows (eval on paired rows): finite loss, TRL's metric sums,
-    run.json names the recipe, `posttrain export` writes a HF folder."""
+    run.json names the recipe, `posttrain export` writes the trained policy (the trainer's logits to 1e-5)."""
     train, evals = _write(tmp_path, _unpaired()), _write(tmp_path, [
         {"prompt": f"{i}?", "chosen": [" even", " odd"][i % 2], "rejected": [" odd", " even"][i % 2]}
         for i in range(4)], "pairs.jsonl")
@@ -285,4 +285,14 @@ def test_cli_kto_three_steps_then_export(tmp_path, capsys):
     assert any("eval_kl" in m and "eval_rewards/chosen_sum" in m for m in logged)
     assert json.load(open(run / "run.json")) == {"recipe": "kto"}
     assert cli.main(["export", "--run", str(run), "--out", str(tmp_path / "hf")]) == 0
-    assert (tmp_path / "hf" / "config.json").is_file()
+    # the export holds the trainer's policy: the run resumed from its last checkpoint gives the same logits
+    from posttrain import config as C
+    from posttrain.models import from_pretrained
+    from posttrain.trainers.kto import KTOConfig, KTOTrainer
+
+    trained = KTOTrainer(C.load(KTOConfig, str(run / "config.yaml")), progress=False)
+    assert trained.train()["step"] == 3
+    ids = jnp.asarray([trained.tokenizer.encode("12 is even")])
+    pos = jnp.arange(ids.shape[1])[None]
+    np.testing.assert_allclose(from_pretrained(str(tmp_path / "hf"))(ids, pos).logits,
+                               trained.model(ids, pos).logits, atol=1e-5)
