@@ -14,6 +14,8 @@ DATA = os.path.join(HERE, "data", "sft_prompt_completion.jsonl")
 
 
 def test_sinks_profiler_and_mfu_during_a_run(tmp_path, monkeypatch):
+    """Prometheus scraped at step 4, TensorBoard loss at every step, a profiler trace, and the MFU of the run's
+    throughput against a configured peak."""
     import posttrain.train.lifecycle as lifecycle
     import posttrain.trainers.sft as sft_mod
 
@@ -22,7 +24,7 @@ def test_sinks_profiler_and_mfu_during_a_run(tmp_path, monkeypatch):
         "model.preset=demo-tiny", f"data.train={DATA}", "data.max_length=32", "train.steps=6",
         "train.batch_size=4", "train.log_every=1", f"run_dir={run_dir}",
         "metrics.sinks=[jsonl,tensorboard,prometheus]", "metrics.prometheus_port=0",
-        "profile.start_step=2", "profile.num_steps=2"])
+        "profile.start_step=2", "profile.num_steps=2", "metrics.peak_flops=1e12"])
     sinks, scraped = [], {}
     real_make, real_loop = lifecycle.make_sinks, lifecycle.train_loop
 
@@ -57,4 +59,15 @@ def test_sinks_profiler_and_mfu_during_a_run(tmp_path, monkeypatch):
     assert glob.glob(os.path.join(run_dir, "profile", "**", "*.xplane.pb"), recursive=True)
     records = [json.loads(ln) for ln in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
-    assert 0 < result["mfu"] < 1.5 and result["tokens_per_s"] > 0
+    # MFU = tokens/s x training FLOPs per token / the configured peak (1e12 FLOP/s, one device), and those FLOPs lie
+    # between 6 N (the matmul weights N, LM head included: forward 2 N, backward 4 N) and 6 N plus the attention
+    # scores and values (12 L T D at T = data.max_length, Kaplan et al. 2020)
+    from posttrain.models import preset
+
+    mc = preset("demo-tiny")
+    d, t, L = mc.embed_dim, 32, mc.num_layers
+    n = L * (d * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim + mc.num_heads * mc.head_dim * d
+             + 3 * d * mc.mlp_dim) + d * mc.vocab_size
+    assert result["tokens_per_s"] > 0
+    fpt = result["mfu"] * 1e12 / result["tokens_per_s"]
+    assert 6 * n <= fpt * (1 + 1e-6) and fpt <= (6 * n + 12 * L * t * d) * (1 + 1e-6), (fpt, 6 * n)
