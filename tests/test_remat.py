@@ -1,4 +1,4 @@
-"""Rematerialisation and matmul precision: a remat layer's gradients equal the plain layer's under each policy,
+"""Rematerialisation, matmul precision and a bfloat16 state: a remat layer's gradients equal the plain layer's under each policy,
 with full weights and with LoRA (adapters trainable, base frozen, dropout's RNG advancing as without remat), and
 `ModelConfig.matmul_precision` reaches every matmul of the forward."""
 
@@ -92,3 +92,17 @@ def test_matmul_precision_reaches_every_matmul(precision):
     assert len(found) >= 2 * TINY["num_layers"] * 3  # the projections, attention and MLP of each layer
     highest = [p is not None and jax.lax.Precision.HIGHEST in tuple(p) for p in found]
     assert all(highest) if precision == "highest" else not any(highest)
+
+
+def test_bfloat16_state_keeps_its_dtypes():
+    """bfloat16 parameters: the step's new state has the old one's dtypes (the gradients are not promoted by the
+    float32 token count, so AdamW's moments stay bfloat16), and a second step reuses the first's executable."""
+    model = Transformer(preset("tiny-llama", **TINY, param_dtype="bfloat16", dtype="bfloat16"), rngs=nnx.Rngs(0))
+    opt = optax.adamw(1e-3)
+    graphdef, state = init_state(model, opt)
+    step = make_train_step(sft_loss, opt, graphdef)
+    before = [x.dtype for x in jax.tree.leaves(state)]
+    state, _ = step(state, _batch())
+    assert [x.dtype for x in jax.tree.leaves(state)] == before
+    state, _ = step(state, _batch())
+    assert step._cache_size() == 1

@@ -114,7 +114,9 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
             (grads, metrics, rest), _ = jax.lax.scan(
                 body, (zeros_g, zeros_m, state.rest), (mbs, jnp.arange(micro_batches)))
         denom = jnp.maximum(metrics["denom"], 1e-9)
-        grads = jax.tree.map(lambda g: g / denom, grads)
+        # in each parameter's own dtype: a float32 denom would promote bfloat16 gradients, the optimizer's moments
+        # would turn float32 after the first update, and the step would compile a second time for the new state
+        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         out = {k: v / denom for k, v in metrics.items() if k != "denom"}
         out["denom"] = metrics["denom"]
         out["grad_norm"] = optax.tree.norm(grads)

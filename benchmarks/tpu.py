@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""The TPU benchmark: one measurement per process (a clean `peak_bytes_in_use`), appended as a JSON line.
+
+Sections (--only NAME; scripts/tpu.sh runs a list of them, one process each):
+  peak                 bf16 n x n matmul FLOP/s (the MFU yardstick)
+  sft:B:T:M:REMAT      full fine-tune of the llama3-1b preset (random weights), bf16 parameters and AdamW moments,
+                       B rows x T tokens per optimizer step in M micro-batches; REMAT none | full | dots
+  lora:B:T:M:REMAT     the same with LoRA rank 16 on every projection (base frozen, bf16)
+  sample:B:P:N         the Sampler, bf16 weights, B prompts of P tokens, N greedy new tokens: new tok/s, the decode
+                       step against the bytes it must read (weights + the mean filled KV cache) at 819 GB/s
+  grpo:P:G:L:N:REMAT   GRPO steps through the trainer's own setup(): P prompts x G samples of N new tokens,
+                       prompt L (the sampler, rewards, the prefix-shared update)
+Each line: the section, its figures, the device, the first call (compile + run) and `plan` where one applies.
+MFU is model FLOPs (plan.flops_per_token) per second over the `peak` section's measured FLOP/s (--peak-flops).
+
+Usage (on the chip): python benchmarks/tpu.py --only sft:8:2048:8:none --jsonl out.jsonl [--peak-flops 1.8e14]
+       python benchmarks/tpu.py --only sft:2:64:1:none --preset demo-tiny --jsonl out.jsonl   (CPU check)
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from unittest import mock
+
+T0 = time.perf_counter()
+ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+ap.add_argument("--only", required=True, help="one section, e.g. sft:8:2048:8:none")
+ap.add_argument("--jsonl", required=True, help="append the result line here")
+ap.add_argument("--preset", default="llama3-1b")
+ap.add_argument("--steps", type=int, default=5, help="timed steps / calls after the first")
+ap.add_argument("--peak-flops", type=float, default=None, help="bf16 matmul FLOP/s for MFU (the peak section's)")
+ap.add_argument("--hbm-gbs", type=float, default=819.0, help="HBM bandwidth, GB/s (v5e: 819)")
+args = ap.parse_args()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from posttrain.losses import sft_loss  # noqa: E402
+from posttrain.models import Transformer, count_params, preset  # noqa: E402
+from posttrain.models.lora import LoraParam, apply_lora  # noqa: E402
+from posttrain.plan import KEYS, flops_per_token, plan  # noqa: E402
+from posttrain.train import init_state, make_train_step  # noqa: E402
+
+
+def stat(key):
+    try:
+        return int((jax.devices()[0].memory_stats() or {}).get(key))
+    except Exception:  # CPU: no allocator statistics
+        return None
+
+
+def build(cfg):
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, jax.jit(lambda: nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])())
+
+
+def timed(fn, n):
+    t = time.perf_counter()
+    out = fn()
+    first = time.perf_counter() - t
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return out, first, times
+
+
+def peak(n=8192):
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x: x @ x)
+    jax.block_until_ready(f(a))
+    best = min(timed(lambda: jax.block_until_ready([f(a) for _ in range(10)]), 0)[1] / 10 for _ in range(5))
+    return {"matmul_n": n, "peak_flops": 2.0 * n ** 3 / best}
+
+
+def train(kind, B, T, M, remat):
+    cfg = preset(args.preset, param_dtype="bfloat16", dtype="bfloat16", remat=remat != "none",
+                 remat_policy="full" if remat == "none" else remat)
+    model = build(cfg)
+    trainable = nnx.Param
+    if kind == "lora":
+        apply_lora(model, rank=16, alpha=32.0)
+        trainable = LoraParam
+    opt = optax.adamw(1e-5)
+    graphdef, state = init_state(model, opt, trainable=trainable)
+    del model
+    step = make_train_step(sft_loss, opt, graphdef, micro_batches=M, trainable=trainable)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, cfg.vocab_size, (B, T + 1)).astype(np.int32)
+    batch = jax.device_put({"tokens": ids[:, :-1], "targets": ids[:, 1:],
+                            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy(),
+                            "segment_ids": np.ones((B, T), np.int32), "weights": np.ones((B, T), np.float32)})
+    box = [state]
+
+    def run():
+        box[0], m = step(box[0], batch)
+        return jax.block_until_ready(m)
+
+    m, first, times = timed(run, args.steps)
+    s = statistics.median(times)
+    p = plan(cfg, batch=B // M, seq_len=T, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat,
+             trainable="lora" if kind == "lora" else "full", lora_rank=16)
+    return {"n_params": count_params(box[0].params) + count_params(box[0].rest), "batch": B, "seq": T,
+            "micro_batches": M, "remat": remat, "step_s": s, "step_times": [round(t, 4) for t in times],
+            "first_step_s": first, "tok_s": B * T / s, "model_flops_s": flops_per_token(cfg, T) * B * T / s,
+            "loss": float(m["loss"]), "plan": {k: p[k] for k in (*KEYS, "total")}}
+
+
+def sample(B, P, N):
+    from posttrain.generate import Sampler, SamplingParams
+
+    cfg = preset(args.preset, param_dtype="bfloat16", dtype="bfloat16")
+    model = build(cfg)
+    sampler = Sampler(model, max_len=P + N)
+    rng = np.random.default_rng(0)
+    prompts = [[1] + rng.integers(3, cfg.vocab_size, P - 1).tolist() for _ in range(B)]
+    params = SamplingParams(max_new_tokens=N, temperature=0.0)
+    out, first, times = timed(lambda: sampler.generate(prompts, params, key=jax.random.key(0)), args.steps)
+    assert (np.asarray(out.lengths) == N).all()
+    s = statistics.median(times)
+    w = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V per cached token
+    kv_mean = B * (P + N / 2) * kv_tok  # the filled cache, averaged over the decode steps
+    need = (w + kv_mean) / (args.hbm_gbs * 1e9)
+    return {"batch": B, "prompt": P, "new": N, "call_s": s, "first_call_s": first, "new_tok_s": B * N / s,
+            "decode_step_s_upper": s / N, "bytes_weights": w, "bytes_kv_mean": kv_mean, "bandwidth_step_s": need,
+            "bandwidth_fraction_upper_bound": need / (s / N),
+            "note": "decode step = whole call / N (prefill included: a lower bound on the bandwidth fraction)"}
+
+
+def grpo(P, G, L, N, remat):
+    from posttrain import config as C
+    from posttrain.data.prompts import Prompt
+    from posttrain.train.lifecycle import place_batch
+    from posttrain.trainers import grpo as gm
+
+    cfg = preset(args.preset, param_dtype="bfloat16", dtype="bfloat16", remat=remat != "none",
+                 remat_policy="full" if remat == "none" else remat)
+    tmp = tempfile.mkdtemp(prefix="tpu-bench-")
+    with open(os.path.join(tmp, "p.jsonl"), "w") as fh:
+        fh.write('{"prompt": "hello"}\n')
+    gcfg = C.from_dict(gm.GRPOConfig, {
+        "model": {"preset": args.preset, "dtype": "bfloat16", "remat": remat != "none",
+                  "remat_policy": "full" if remat == "none" else remat},
+        "data": {"train": os.path.join(tmp, "p.jsonl"), "max_prompt_length": L},
+        "grpo": {"num_generations": G, "max_new_tokens": N, "temperature": 1.0, "beta": 0.0,
+                 "rewards": {"last_number": 1.0}},
+        "optim": {"lr": 1e-6, "schedule": "constant", "max_grad_norm": 1.0},
+        "train": {"steps": args.steps + 1, "batch_size": P}, "run_dir": os.path.join(tmp, "run")})
+    model = build(cfg)
+    with mock.patch.object(gm, "build_model", lambda *a, **k: model):
+        trainer = gm.GRPOTrainer(gcfg, progress=False)
+    trainer.reward_funcs = [lambda prompts, completions, completion_ids, **_: [
+        sum(t % 2 == 0 for t in ids) / max(1, len(ids)) for ids in completion_ids]]
+    trainer.reward_weights = [1.0]
+    rng = np.random.default_rng(0)
+    trainer.prompts = [Prompt(np.asarray([1] + rng.integers(3, cfg.vocab_size, L - 1).tolist(), np.int32), "", {})
+                       for _ in range(P * (args.steps + 2))]
+    trainer.length = -(-(L + G * N) // 8) * 8
+    parts = trainer.setup()
+    rollout = parts.batches
+    rollout.prompts = trainer.prompts
+    import dataclasses
+    rollout.params = dataclasses.replace(rollout.params, stop_ids=())
+    box, gens, upd = [parts.state], [], []
+
+    def run():
+        t = time.perf_counter()
+        batch = place_batch(rollout(box[0]))
+        t1 = time.perf_counter()
+        box[0], m = parts.step(box[0], batch)
+        jax.block_until_ready(m)
+        gens.append(rollout.metrics()["time/generate_s"])
+        upd.append(time.perf_counter() - t1)
+        return t1 - t
+
+    _, first, times = timed(run, args.steps)
+    tokens = P * trainer.length
+    u = statistics.median(upd[1:])
+    return {"prompts": P, "generations": G, "prompt_len": L, "new": N, "remat": remat, "row_tokens": trainer.length,
+            "step_s": statistics.median(times), "first_step_s": first, "generate_s": statistics.median(gens[1:]),
+            "update_s": u, "update_tok_s": tokens / u, "step_times": [round(t, 3) for t in times],
+            "update_model_flops_s": flops_per_token(cfg, trainer.length) * tokens / u}
+
+
+def main():
+    name, *rest = args.only.split(":")
+    conv = [int(x) if x.isdigit() else x for x in rest]
+    out = {"section": args.only, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+           "preset": args.preset}
+    if name == "peak":
+        out.update(peak(*conv))
+    elif name in ("sft", "lora"):
+        out.update(train(name, *conv))
+    elif name == "sample":
+        out.update(sample(*conv))
+    elif name == "grpo":
+        out.update(grpo(*conv))
+    else:
+        raise SystemExit(f"unknown section {name!r}")
+    out["peak_bytes_in_use"] = stat("peak_bytes_in_use")
+    out["bytes_limit"] = stat("bytes_limit")
+    if "plan" in out and out["peak_bytes_in_use"]:
+        out["peak_over_plan"] = out["peak_bytes_in_use"] / out["plan"]["total"]
+    for k in ("model_flops_s", "update_model_flops_s"):
+        if k in out and args.peak_flops:
+            out[k.replace("model_flops_s", "mfu")] = out[k] / args.peak_flops
+    out["wall_s"] = time.perf_counter() - T0
+    print(json.dumps(out), flush=True)
+    with open(args.jsonl, "a") as fh:
+        fh.write(json.dumps(out) + "\n")
+
+
+if __name__ == "__main__":
+    main()
