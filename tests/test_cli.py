@@ -33,7 +33,9 @@ def test_demo_command_trains_evaluates_and_exports(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     stages = summary["stages"]
     assert [s["stage"] for s in stages] == ["sft", "grpo", "dpo", "distill"]
-    assert all(0.0 <= s["accuracy"] <= 1.0 and s["seconds"] > 0 for s in stages)
+    # accuracy is the share of the 200 held-out questions, and the line printed after each stage says the same
+    assert all(abs(s["accuracy"] * 200 - round(s["accuracy"] * 200)) < 1e-9 and s["seconds"] > 0 for s in stages)
+    assert all(f"[demo] {s['stage']}: held-out accuracy {s['accuracy']:.1%}" in out for s in stages)
     assert [s["kl"] is None for s in stages] == [True, True, True, False] and stages[-1]["kl"] >= 0
     assert summary["total_seconds"] >= sum(s["seconds"] for s in stages) - 1
     sizes = {}
