@@ -113,7 +113,8 @@ def _load_hf_classifier(path):
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    return AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()  # sdpa: no soft-cap
 
 
 # ------------------------------------------------------------------------------------------ learning
