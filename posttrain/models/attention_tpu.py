@@ -31,8 +31,10 @@ def _kernel(T: int, groups: int, cap, interpret: bool):
     sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
     mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(groups)])
-    return sk.make_splash_mqa(mask, block_sizes=sizes, attn_logits_soft_cap=cap, head_shards=1, q_seq_shards=1,
-                              interpret=interpret)
+    # concrete mask data even when first asked for inside a trace: the kernel is cached and reused by other traces
+    with jax.ensure_compile_time_eval():
+        return sk.make_splash_mqa(mask, block_sizes=sizes, attn_logits_soft_cap=cap, head_shards=1, q_seq_shards=1,
+                                  interpret=interpret)
 
 
 def splash(q, k, v, layout, *, scale: float, cap, interpret: bool = False):
