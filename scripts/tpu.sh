@@ -65,7 +65,7 @@ if [ "${TPU_TESTS:-1}" = 1 ]; then
 fi
 
 # 3. the benchmark sections, one process each (a clean peak_bytes_in_use each)
-PEAK=""
+PEAK=${TPU_PEAK:-}  # the peak section sets it; TPU_PEAK gives a measured one without re-measuring
 for s in $SECTIONS; do
   t0=$SECONDS
   timeout "${TPU_SECTION_S:-300}" python3 benchmarks/tpu.py --only "$s" --jsonl "$OUT/bench.jsonl" \
