@@ -40,10 +40,10 @@ export JAX_COMPILATION_CACHE_DIR=${TPU_CACHE:-/tmp/posttrain-jax-cache} JAX_PERS
     PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile --no-cache-dir \
       --only-binary=:all: --target "$SITE" --index-url file:///opt/pypi/simple --find-links .whl-tpu "${want[@]}" \
       && touch "$SITE/.posttrain-installed"
-    if [ "${TPU_TORCH:-1}" = 1 ]; then
-      PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile --no-cache-dir \
-        --only-binary=:all: --target "$SITE" --index-url file:///opt/pypi/simple --find-links /opt/wheels torch==2.13.0
-    fi
+  fi
+  if [ "${TPU_TORCH:-1}" = 1 ] && [ ! -d "$SITE/torch" ]; then
+    PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --no-compile --no-cache-dir \
+      --only-binary=:all: --target "$SITE" --index-url file:///opt/pypi/simple --find-links /opt/wheels torch==2.13.0
   fi
   echo "install took $((SECONDS - t0)) s"
 } > "$OUT/install.log" 2>&1
