@@ -297,6 +297,18 @@ def _fresh_uid() -> int:
     return _UID_BASE + secrets.randbelow(1 << 20)
 
 
+@functools.lru_cache(maxsize=None)
+def _reachable(folder: str) -> bool:
+    """Whether any uid may pass through every folder down to `folder` and read it (else it is staged)."""
+    path = "/"
+    for part in [p for p in folder.split("/") if p]:
+        path = os.path.join(path, part)
+        mode = os.stat(path).st_mode
+        if not mode & 0o001 or (path == folder and not mode & 0o004):
+            return False
+    return True
+
+
 def _bwrap_argv(box: "Sandbox", outer: str, prog: str, env: Mapping[str, str], child: list[str], seccomp_fd: int,
                 cgroups: list[str]) -> list[str]:
     """The command of a bwrap run: a set-up shell in a private mount namespace (as root: joins the run's cgroups,
@@ -315,6 +327,9 @@ def _bwrap_argv(box: "Sandbox", outer: str, prog: str, env: Mapping[str, str], c
                  f"gid={uid},nosuid,nodev posttrain-sandbox {q(work)}")
     binds = []
     for i, d in enumerate(d for d in _python_dirs(box.python) if not d.startswith("/usr/")):
+        if not (root and not _reachable(d)):
+            binds += ["--ro-bind", d, d]
+            continue
         stage = os.path.join(outer, f"python{i}")
         os.mkdir(stage, 0o755)
         lines.append(f"mount --bind {q(d)} {q(stage)}")
