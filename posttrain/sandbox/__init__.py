@@ -5,18 +5,29 @@ read-only folder `/sandbox`; `entry`: the one to execute) and returns a `Sandbox
 tool of agentic episodes (`agentic.tools.PythonTool`) and every reward that runs model-written code
 (`rewards.code.CodeTests`) go through it; nothing else in posttrain executes model output.
 
-The boundary, by `mode` ("auto" picks the first that works on this machine, once per process):
-- "bwrap": Debian's bubblewrap (`bwrap`, installed by `make setup`). New user, PID, network, IPC, UTS
-  and cgroup namespaces (`--unshare-all`): the program sees no host process (it is PID 2 of its own
-  namespace, with its own /proc), has no network but its own empty loopback, and sees only read-only
-  binds of /usr and the interpreter's folders, read-only `/sandbox`, a minimal /dev, and one private
-  size-limited tmpfs at /tmp (cwd, HOME, TMPDIR): the only writable place. `--die-with-parent`, and
-  the wall-clock limit SIGKILLs bwrap, whose namespace takes every process of the run with it (a
-  `setsid` child included). As root the run also joins a fresh pids cgroup (max_processes + bwrap's two tasks): the
-  kernel does not apply RLIMIT_NPROC to a user namespace owned by root.
-- "uid" (no user namespaces, running as root): the program runs as a fresh unprivileged uid of its own
+The boundary, by `mode` ("auto" picks the first that works on this machine, once per process, and warns with the
+reason when it is not bwrap):
+- "bwrap": Debian's bubblewrap (`bwrap`, installed by `make setup`) behind a set-up shell in a private mount
+  namespace (`_bwrap_argv`). As root the shell joins the run's fresh pids and memory cgroups, mounts the one
+  writable folder and drops to a fresh unprivileged uid of the run's own (`setpriv`, no groups) before bwrap, so
+  nothing of the run is host root (its /proc/self/uid_map reads `65534 <that uid> 1`); not root, the shell runs in
+  a user namespace of its own, and the program runs as the trainer's uid (no other uid can be had without
+  privilege). bwrap then adds new user, PID, network, IPC, UTS and cgroup namespaces (`--unshare-all`): the
+  program sees no host process (it is PID 2 of its own namespace), has no network but its own empty loopback, and
+  sees only read-only binds of /usr and the interpreter's folders (staged by the shell where they sit behind a
+  folder the run's uid cannot pass, pyenv under /root; bound after /tmp, so a venv under /tmp stays visible), a
+  read-only `/sandbox`, a read-only `/` and `/dev` (null, zero, full, random, urandom; no devpts, no /dev/shm),
+  `/proc` with `/proc/sys` read-only and `/proc/keys` hidden, and one tmpfs at /tmp bounded in bytes (`disk_mb`)
+  and inodes (`max_inodes`): the only writable place. A seccomp filter built with libseccomp (`_seccomp_program`)
+  answers EPERM to the kernel's keyrings, ptrace and other processes' memory, io_uring, userfaultfd, perf, bpf,
+  mounts and namespaces, modules, kexec, memfd and SysV / POSIX IPC (memory outside RLIMIT_AS), inotify /
+  fanotify (per-user quotas), and the rest of `_DENIED_CALLS`. `--die-with-parent`, and the wall-clock limit
+  SIGKILLs bwrap, whose namespace takes every process of the run with it (a `setsid` child included). As root the
+  cgroups bound the run's tasks (max_processes + 3) and memory (memory_mb + disk_mb + 64 MB).
+- "uid" (no bwrap, running as root): the program runs as a fresh unprivileged uid of its own
   (`setpriv`), in a folder only that uid may write; after the run every process of that uid is killed
-  (a `setsid` child included). No network isolation beyond the Python guard: prefer bwrap.
+  (a `setsid` child included). No namespaces, no seccomp filter, no network isolation beyond the Python guard:
+  prefer bwrap.
 - "unsafe_inprocess_guard": only when a config names it (a warning is printed): the child runs as the
   trainer's own user with the Python-level guard alone (what posttrain had before bubblewrap).
   "auto" never picks it: without bwrap or root, running model-written code is refused.
@@ -24,11 +35,12 @@ The boundary, by `mode` ("auto" picks the first that works on this machine, once
 In every mode the child sets rlimits on itself first (address space, CPU seconds, file size, open
 files, processes/threads, no core dumps; `_guard.py`) and installs the audit-hook guard of
 `_guard.py` as defence in depth. stdout and stderr go to files outside the sandbox and come back
-truncated. The threat model and what each boundary stops: docs/security.md.
+truncated. `drive` adds a request / reply channel (the code_tests judge: posttrain/rewards/code.py). The threat
+model and what each boundary stops, as tested: docs/security.md.
 
-What it is not: a container runtime (no seccomp filter, no cgroup memory limit: memory is bounded per
-process by RLIMIT_AS times RLIMIT_NPROC) and not a place for trusted code (a config that names
-`package.module:function` runs that code in the trainer, by design).
+What it is not: a virtual machine (the kernel is shared: a kernel exploit escapes any namespace sandbox) and
+not a place for trusted code (a config that names `package.module:function` runs that code in the trainer,
+by design).
 """
 
 from __future__ import annotations
