@@ -116,3 +116,30 @@ def _cmdline_has(pid: str, marker: str) -> bool:
             return marker.encode() in f.read()
     except OSError:
         return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="cgroups are made only as root (not root: RLIMIT_AS and the filter)")
+def test_as_root_a_run_is_bounded_by_its_own_pids_and_memory_cgroups(monkeypatch):
+    """Each process within RLIMIT_AS, together beyond the run's memory cgroup (memory_mb + disk_mb + 64 MB): the
+    kernel kills within the run, and the cgroups carry the limits and are gone after it."""
+    seen = {}
+    real_remove = S._remove_cgroup
+
+    def remove(path):
+        for name in ("pids.max", "memory.limit_in_bytes", "memory.max"):
+            if os.path.exists(os.path.join(path, name)):
+                with open(os.path.join(path, name)) as f:
+                    seen[name] = f.read().strip()
+        real_remove(path)
+        seen.setdefault("removed", []).append(not os.path.exists(path))
+
+    monkeypatch.setattr(S, "_remove_cgroup", remove)
+    code = ("import os\nkids = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        x = b'x' * (100 << 20)\n        import time\n        time.sleep(2)\n        os._exit(0)\n"
+            "    kids.append(pid)\nprint([os.waitpid(k, 0)[1] for k in kids])\n")
+    r = Sandbox(guard=False, memory_mb=128, disk_mb=32, max_processes=8, timeout_s=20.0).run({"main.py": code})
+    assert r.status == "ok", r
+    statuses = ast.literal_eval(r.stdout)
+    assert any(s & 0x7F == 9 for s in statuses) and 0 in statuses, statuses  # some killed (OOM), some fit
+    assert seen["pids.max"] == "11" and all(seen["removed"]), seen
+    assert int(seen.get("memory.limit_in_bytes", seen.get("memory.max"))) == (128 + 32 + 64) << 20, seen
