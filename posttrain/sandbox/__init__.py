@@ -488,7 +488,7 @@ def _probe(backend: str, python: str) -> Optional[str]:
             return "setpriv is not installed"
     try:
         r = Sandbox(timeout_s=30.0, python=python)._run({"main.py": "print('ok')"}, "main.py", b"", backend)
-    except OSError as e:
+    except (OSError, PosttrainError) as e:  # PosttrainError: libseccomp's bindings are missing
         return f"{type(e).__name__}: {e}"
     if r.status != "ok" or r.stdout.strip() != "ok":
         return (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1][:200]
