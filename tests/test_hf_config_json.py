@@ -19,6 +19,9 @@ def _both(folder, raw=None):
         (folder / "config.json").write_text(json.dumps(raw))
     raw = json.loads((folder / "config.json").read_text())
     hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    for c in (hf, getattr(hf, "text_config", None)):  # transformers >= 5.2x: Gemma 4's head_dim is per layer and
+        if c is not None:  # reading the global value raises unless asked for (older versions: a plain attribute)
+            c.allow_global_per_layer_attribute_access = True
     ours, tied = read_hf_config(raw)
     if raw.get("model_type") == "gemma4":
         theirs = config_from_hf(hf.text_config).replace(tie_embeddings=bool(hf.tie_word_embeddings))
