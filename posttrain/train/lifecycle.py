@@ -49,7 +49,7 @@ from posttrain import sharding as sh
 from posttrain.errors import PosttrainError, RunStopped
 from posttrain.train.checkpoint import Checkpointer
 from posttrain.train.loop import FnHook, Stopped, train_loop
-from posttrain.train.metrics import Profiler, check_prometheus, make_sinks, memory_stats, mfu, peak_flops
+from posttrain.train.metrics import MemoryWarning, Profiler, check_prometheus, make_sinks, memory_stats, mfu, peak_flops
 from posttrain.train.optim import make_optimizer, schedule
 from posttrain.train.serialize import save_state
 from posttrain.train.step import TrainState, init_state, merge
@@ -138,9 +138,13 @@ def _run(config, state, step, batches, *, name, flops_per_token, evaluate, mesh,
     peak = peak_flops(c.metrics)
     n_dev = 1 if mesh is None else mesh.devices.size
 
+    high_memory = MemoryWarning()
+
     def extra(m):
         host = host_metrics() if host_metrics is not None else {}
-        return {"mfu": mfu(m["tokens_per_s"], flops_per_token, peak, n_dev), **memory_stats(), **host}
+        out = {"mfu": mfu(m["tokens_per_s"], flops_per_token, peak, n_dev), **memory_stats(), **host}
+        high_memory(out)
+        return out
 
     profiler = None
     if c.profile.start_step:

@@ -19,10 +19,10 @@ import json
 import os
 import re
 import time
+import warnings
 from typing import Protocol
 
 import jax
-import jax.numpy as jnp
 
 from posttrain.errors import PosttrainError
 
@@ -283,15 +283,20 @@ class Profiler:
 
 
 @functools.cache
-def measure_peak_flops(n: int = 2048, reps: int = 5) -> float:
-    """Best observed float32 matmul FLOP/s of an n x n jitted matmul on the default device.
+def measure_peak_flops(n: int = 2048, reps: int = 5, dtype: str | None = None) -> float:
+    """Best observed matmul FLOP/s of an n x n jitted matmul on the default device: float32 on a CPU, bfloat16 on
+    an accelerator (a TPU's or GPU's matrix units peak in bfloat16, the dtype their MFU is quoted against), or
+    `dtype`.
 
     A stand-in for the datasheet peak (set metrics.peak_flops for that): on CPU there is no
     datasheet figure, and an achieved-matmul peak makes MFU comparable across machines. Cached:
     measured once per process and size.
     """
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    dtype = dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
+    if dtype != "float32" and n < 4096:
+        n = 8192  # an accelerator needs a large product to reach its peak (v5e: 185 TFLOP/s at 8192^2)
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     f = jax.jit(lambda x, y: x @ y)
     jax.block_until_ready(f(a, b))  # compile and warm up outside the timing
     best = float("inf")
@@ -315,16 +320,40 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak: float, num_devices: i
 # ----------------------------------------------------------------------------- memory
 
 
-def memory_stats() -> dict:
-    """Live memory of the first local device (GPU/TPU), or the host process RSS on CPU, where
-    JAX's allocator reports no statistics."""
+HIGH_MEMORY = 0.9  # a warning when a device's peak passes this share of its memory
+
+
+def memory_stats(device=None) -> dict:
+    """Live memory of the first local device (GPU/TPU): bytes in use, peak, and the peak's share of the device's
+    limit (`device_memory_frac`); or the host process RSS on CPU, where JAX's allocator reports no statistics."""
     try:
-        stats = jax.local_devices()[0].memory_stats()
+        stats = (device or jax.local_devices()[0]).memory_stats()
     except Exception:  # some backends raise instead of returning None
         stats = None
     if stats and "bytes_in_use" in stats:
-        return {"device_bytes_in_use": int(stats["bytes_in_use"]),
-                "device_peak_bytes": int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))}
+        out = {"device_bytes_in_use": int(stats["bytes_in_use"]),
+               "device_peak_bytes": int(stats.get("peak_bytes_in_use", stats["bytes_in_use"]))}
+        if stats.get("bytes_limit"):
+            out["device_memory_frac"] = out["device_peak_bytes"] / int(stats["bytes_limit"])
+        return out
     import psutil
 
     return {"host_rss_bytes": int(psutil.Process().memory_info().rss)}
+
+
+class MemoryWarning:
+    """Warns once per run when the device's peak memory passes HIGH_MEMORY of its limit (the next larger batch or
+    sequence would not fit: remat, micro-batches or LoRA are the remedies). Call with each step's metrics."""
+
+    def __init__(self, threshold: float = HIGH_MEMORY):
+        self.threshold, self.warned = threshold, False
+
+    def __call__(self, metrics: dict) -> bool:
+        frac = metrics.get("device_memory_frac")
+        if self.warned or frac is None or frac <= self.threshold:
+            return False
+        self.warned = True
+        warnings.warn(f"device memory: the peak is {frac:.0%} of the device's limit (above "
+                      f"{self.threshold:.0%}); a longer row or a larger batch may not fit. Turn on model.remat, "
+                      "set train.micro_batch_size, or train LoRA", stacklevel=2)
+        return True
