@@ -11,6 +11,9 @@ from posttrain.models import KVCache, from_pretrained
 from posttrain.models import attention as A
 
 B, K, G, H = 2, 2, 2, 8
+# float32 comparisons: 1e-5 on a CPU; on a TPU, even at HIGHEST matmul precision, exp and division agree to ~1e-4
+# (seen on a v5e: blockwise vs dense up to 1.4e-4 on outputs of size ~1), still far below a mask error (~1e-1)
+ATOL = 1e-5 if jax.default_backend() == "cpu" else 3e-4
 
 
 def _qkv(T, S, seed=0):
@@ -91,9 +94,9 @@ def test_blockwise_equals_dense(name, window, cap):
     T = 45  # not a multiple of the tile: exercises padded tiles
     q, k, v = _qkv(T, T)
     (o1, g1), (o2, g2) = _both(q, k, v, _layout(T, **LAYOUTS[name]), window, cap, tile=8)
-    np.testing.assert_allclose(o2, o1, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(o2, o1, atol=ATOL, rtol=0)
     for a, b in zip(g2, g1):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
     assert float(jnp.abs(g1[0]).max()) > 0  # gradients are not trivially zero
 
 
@@ -114,9 +117,9 @@ def test_blockwise_equals_dense_with_sinks(name, window):
         out, vjp = jax.vjp(jax.jit(f), q, k, v, sinks)
         res.append((out, vjp(ct)))
     (o1, g1), (o2, g2) = res
-    np.testing.assert_allclose(o2, o1, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(o2, o1, atol=ATOL, rtol=0)
     for a, b in zip(g2, g1):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
     assert float(jnp.abs(g1[3]).max()) > 1e-3  # the sinks' gradient is not trivially zero
     plain = A.dense(q, k, v, lay.mask(window), scale=H ** -0.5, cap=None)[0]
     assert float(jnp.abs(plain - o1).max()) > 1e-2  # and the sinks change the output
@@ -152,9 +155,9 @@ def test_cached_prefill_blockwise_equals_dense():
     pos[1, :5] = -1  # left padding in row 1
     lay = A.Layout(jnp.asarray(pos[:, write:write + T]), jnp.asarray(pos), write + jnp.arange(T), jnp.arange(S))
     (o1, g1), (o2, g2) = _both(q, k, v, lay, 7, None, tile=16)
-    np.testing.assert_allclose(o2, o1, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(o2, o1, atol=ATOL, rtol=0)
     for a, b in zip(g2, g1):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(a, b, atol=ATOL, rtol=0)
 
 
 def test_choose():
@@ -168,7 +171,7 @@ def test_choose():
     assert A.choose("gpu", T=2048, S=2048, branches=True, softcap=False, cached=False) == "blockwise"
     assert A.choose("gpu", T=2048, S=2048, branches=False, softcap=True, cached=False) == "blockwise"
     assert A.choose("gpu", T=2048, S=2048, branches=False, softcap=False, cached=True) == "blockwise"
-    assert A.choose("tpu", T=2048, S=2048, **kw) == "blockwise"
+    assert A.choose("tpu", T=2048, S=2048, **kw) == "splash"  # the rest of the TPU choices: test_attention_tpu.py
 
 
 # ---------------------------------------------------------------------------------- through the model
@@ -215,7 +218,7 @@ def test_branched_cache_decode_equals_unshared(hf_checkpoints, family, small_til
     row = list(prompt) + branches[1] + [nxt]
     ref = model(jnp.asarray([row]), jnp.asarray([list(range(len(row)))])).logits
     assert n == len(prompt) + 18
-    np.testing.assert_allclose(np.asarray(got)[0, 0], np.asarray(ref)[0, -1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(got)[0, 0], np.asarray(ref)[0, -1], atol=ATOL, rtol=0)
 
 
 # ---------------------------------------------------------------------------------- memory

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_attention import B, G, H, K, _layout
+from test_attention import ATOL, B, G, H, K, _layout
 
 from posttrain.models import attention as A
 
@@ -35,9 +35,9 @@ def test_splash_equals_dense(case):
     (l_ref, o_ref), g_ref = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)("dense", q, k, v)
     impl = "splash" if jax.default_backend() == "tpu" else "splash_interpret"  # the kernel itself on a TPU
     (l_got, o_got), g_got = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)(impl, q, k, v)
-    np.testing.assert_allclose(np.asarray(o_got), np.asarray(o_ref), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(o_got), np.asarray(o_ref), atol=2 * ATOL)
     for a, b in zip(g_got, g_ref):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5 * ATOL)
 
 
 def test_choose_tpu():

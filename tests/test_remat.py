@@ -1,6 +1,7 @@
-"""Rematerialisation, matmul precision and a bfloat16 state: a remat layer's gradients equal the plain layer's under each policy,
-with full weights and with LoRA (adapters trainable, base frozen, dropout's RNG advancing as without remat), and
-`ModelConfig.matmul_precision` reaches every matmul of the forward."""
+"""Rematerialisation, matmul precision and a bfloat16 state: a remat layer's gradients equal the plain
+layer's under each policy, with full weights and with LoRA (adapters trainable, base frozen, dropout's RNG advancing
+as without remat); `ModelConfig.matmul_precision` reaches every matmul of the forward; a bfloat16 state keeps its
+dtypes across steps."""
 
 import jax
 import jax.extend
@@ -79,7 +80,8 @@ def test_matmul_precision_reaches_every_matmul(precision):
     model = _model(False, matmul_precision=precision)
     tok = jnp.ones((2, 8), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(8), (2, 8))
-    jaxpr = jax.make_jaxpr(lambda t, p: model(t, p).logits)(tok, pos)
+    with jax.default_matmul_precision("default"):  # whatever the process's default (the TPU tier sets highest)
+        jaxpr = jax.make_jaxpr(lambda t, p: model(t, p).logits)(tok, pos)
 
     def dots(jx):
         for e in jx.eqns:
