@@ -10,8 +10,9 @@ the chat template) and special_tokens_map.json. The tokenizer model is built by 
 converters (`transformers.integrations.ggml`, which imports no torch), so token ids match
 `AutoTokenizer.from_pretrained(dir, gguf_file=...)`; the special tokens (bos, eos, pad, unk) and whether bos/eos
 are added come from the GGUF's own fields (transformers 5.12 reads eos as the bos token). A GGUF without
-`output.weight` ties the output head to the embeddings. Llama-architecture files (Llama, Mistral, SmolLM, ...)
-and qwen2; `rope_freqs.weight` (Llama 3.1+ rope scaling) becomes rope_parameters of type llama3.
+`output.weight` ties the output head to the embeddings. Llama-architecture files (Llama, Mistral, SmolLM, ...),
+qwen2 and qwen3 (its q/k norms as attn_q_norm / attn_k_norm); `rope_freqs.weight` (Llama 3.1+ rope scaling)
+becomes rope_parameters of type llama3.
 
 `export_gguf(model, tokenizer, path, gguf_type)` (`posttrain export --run R|--model DIR --gguf OUT.gguf`) is the
 reverse, written with `gguf.GGUFWriter`: llama.cpp's names, the q/k permutation, hyper-parameters, rope scaling
@@ -40,8 +41,8 @@ import numpy as np
 from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig, RopeConfig
 
-ARCHS = ("llama", "qwen2")  # GGUF general.architecture values convert reads
-EXPORT_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}  # posttrain family -> GGUF arch
+ARCHS = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values convert reads
+EXPORT_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # family -> GGUF arch
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 # llama.cpp tensor names <-> transformers' (per layer: "blk.{i}." <-> "model.layers.{i}.").
@@ -52,7 +53,8 @@ _LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post
           "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
           "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
           "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
-          "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight"}
+          "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
+          "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 _LAYER_BACK = {v: k for k, v in _LAYER.items()}
 _GLOBAL_BACK = {v: k for k, v in _GLOBAL.items()}
 
@@ -203,7 +205,7 @@ def _config(r, path: str, arch: str, tensors: dict) -> ModelConfig:
         mlp_dim=int(_field(r, p + "feed_forward_length", path, required=True)),
         max_position=int(_field(r, p + "context_length", path, 8192)),
         norm_eps=float(_field(r, p + "attention.layer_norm_rms_epsilon", path, 1e-5)),
-        tie_embeddings="output.weight" not in tensors, qkv_bias=arch == "qwen2", rope=rope)
+        tie_embeddings="output.weight" not in tensors, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", rope=rope)
 
 
 def _tokenizer_dict(r, path: str) -> dict:
@@ -397,7 +399,7 @@ def _unk_id(tokenizer):
 
 
 def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str = "posttrain") -> str:
-    """Write `model` (a llama / mistral / qwen2 Transformer) and its tokenizer as one GGUF file at `path`."""
+    """Write `model` (a llama / mistral / qwen2 / qwen3 Transformer) and its tokenizer as one GGUF file at `path`."""
     import gguf
     from gguf.quants import quantize
 
@@ -406,9 +408,11 @@ def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str =
     if arch is None:
         raise PosttrainError(f"GGUF export: family {cfg.family!r} is not supported; posttrain writes GGUF for "
                              f"{', '.join(EXPORT_FAMILIES)} models (export a Hugging Face folder with --out instead)")
-    odd = [k for k in ("sliding_window", "qk_norm", "num_experts", "layer_types", "sandwich_norm", "attn_softcap",
+    odd = [k for k in ("sliding_window", "num_experts", "layer_types", "sandwich_norm", "attn_softcap",
                        "final_softcap", "query_scale", "embed_scale", "norm_unit_offset") if getattr(cfg, k)]
     odd += ["qkv_bias"] if cfg.qkv_bias and arch != "qwen2" else []
+    odd += ["qk_norm"] if cfg.qk_norm and arch != "qwen3" else []
+    odd += ["no qk_norm"] if arch == "qwen3" and not cfg.qk_norm else []
     if odd or cfg.activation != "silu" or getattr(model, "score", None) is not None:
         what = ", ".join(odd) or ("a score head" if getattr(model, "score", None) is not None else cfg.activation)
         raise PosttrainError(f"GGUF export: this {cfg.family} model has {what}, which the GGUF {arch} architecture "
