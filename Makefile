@@ -25,8 +25,9 @@ demo: $(STAMP) bwrap
 test: $(STAMP) lint browser bwrap real-model package
 	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
-# The edit loop: the suite without the files conftest.py marks slow (whole training runs, processes,
-# real checkpoints); `make test` runs everything.
+# The edit loop: the suite without what conftest.py marks slow (files of whole training runs, processes, real
+# checkpoints), but with those files' core parity checks (conftest FAST_TESTS: logits per model family vs
+# transformers, sampler = forward, attention, KTO vs TRL); `make test` runs everything. docs/testing.md.
 test-fast: $(STAMP) bwrap
 	$(VPY) -m pytest -q -n 2 --dist loadfile -m "not slow" --durations=10
 
