@@ -16,7 +16,8 @@ CASES = {"causal": (dict(), None), "padded": (dict(pad=[150, 77]), None),
          "softcap": (dict(pad=[200, 130]), 5.0)}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in ("causal", "padded") else c
+                                  for c in CASES])  # make test-fast: segments and soft-cap (padding included)
 def test_splash_equals_dense(case):
     T = 200  # padded to 256 inside: one 256 tile
     over, cap = CASES[case]

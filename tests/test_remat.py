@@ -51,8 +51,13 @@ def _steps(lora: bool, remat: bool, policy: str = "full", dropout: float = 0.0, 
     return out, state.params
 
 
-@pytest.mark.parametrize("lora,dropout", [(False, 0.0), (True, 0.0), (True, 0.2)])
-@pytest.mark.parametrize("policy", ["full", "dots"])
+SLOW = pytest.mark.slow  # make test-fast keeps one case of each policy
+
+
+@pytest.mark.parametrize("lora,dropout,policy", [
+    (False, 0.0, "full"), (True, 0.0, "dots"), pytest.param(False, 0.0, "dots", marks=SLOW),
+    pytest.param(True, 0.0, "full", marks=SLOW), pytest.param(True, 0.2, "full", marks=SLOW),
+    pytest.param(True, 0.2, "dots", marks=SLOW)])
 def test_remat_steps_equal_plain_steps(lora, dropout, policy):
     """Two train steps with remat equal two without (losses, grad norms, weights; round-off only), LoRA included
     (before the functional remat, LoRA + remat raised TraceContextError). With dropout the masks drawn in the
