@@ -72,6 +72,7 @@ _GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
 MEMORY_RC = 3  # the child's exit status after a MemoryError (see _guard.py)
 BOX = "/sandbox"  # inside bwrap: the read-only program folder
 WORK = "/tmp"  # inside bwrap: the one writable folder (a private tmpfs)
+RUN = "run"  # inside bwrap: the program's working folder, WORK/RUN (fresh and empty)
 _UID_BASE = 1 << 20  # "uid" mode: fresh uids from here on (no /etc/passwd entry needed)
 _SIGNALS = {signal.SIGXCPU: "the CPU-time limit was exceeded", signal.SIGKILL: "the process was killed",
             signal.SIGSEGV: "the process crashed (segmentation fault)", signal.SIGABRT: "the process aborted"}
@@ -339,6 +340,9 @@ def _bwrap_argv(box: "Sandbox", outer: str, prog: str, env: Mapping[str, str], c
     lines = ["set -e"] + [f"echo $$ > {q(os.path.join(c, 'cgroup.procs'))}" for c in cgroups]
     lines.append(f"mount -t tmpfs -o size={box.disk_mb << 20},nr_inodes={box.max_inodes},mode=0700,uid={uid},"
                  f"gid={uid},nosuid,nodev posttrain-sandbox {q(work)}")
+    # the program starts in a folder of its own inside /tmp: an interpreter bound under /tmp (a checkout or venv
+    # there) puts its mount point in /tmp, never in the program's fresh, empty working folder
+    lines.append(f"mkdir -m 0700 {q(os.path.join(work, RUN))} && chown {uid}:{uid} {q(os.path.join(work, RUN))}")
     binds = []
     for i, d in enumerate(d for d in _python_dirs(box.python) if not d.startswith("/usr/")):
         if not (root and not _reachable(d)):
@@ -369,7 +373,7 @@ def _bwrap_argv(box: "Sandbox", outer: str, prog: str, env: Mapping[str, str], c
     args += ["--symlink", "/proc/self/fd", "/dev/fd"]
     for i, name in enumerate(("stdin", "stdout", "stderr")):
         args += ["--symlink", f"/proc/self/fd/{i}", f"/dev/{name}"]
-    args += ["--remount-ro", "/", "--chdir", WORK, "--seccomp", str(seccomp_fd)]
+    args += ["--remount-ro", "/", "--chdir", f"{WORK}/{RUN}", "--seccomp", str(seccomp_fd)]
     for k, v in env.items():
         args += ["--setenv", k, v]
     lines.append("exec " + " ".join(q(a) for a in [*drop, _bwrap(), *args, "--", *child]))
