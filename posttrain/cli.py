@@ -155,9 +155,9 @@ def _export(args) -> None:
             raise PosttrainError("export --gguf FILE takes exactly one of --run RUN_DIR or --model HF_DIR, and no "
                                  "--out")
         if args.model:
-            from posttrain.models.gguf import export_model_dir
+            from posttrain.runs import export_folder_gguf
 
-            print(f"exported to {export_model_dir(args.model, args.gguf, args.gguf_type)}")
+            print(f"exported to {export_folder_gguf(args.model, args.gguf, args.gguf_type)}")
         else:
             from posttrain.runs import export_run_gguf
 

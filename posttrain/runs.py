@@ -4,7 +4,9 @@ What it is: `run_recipe(run_dir)` (run.json's name; a folder written before run.
 named by its config's sections), `load_run(run_dir) -> (config, tokenizer, model)` (the recipe's
 `run_model` with `trainable.safetensors` loaded, LoRA adapters still separate),
 `export_run(run_dir, out, dtype, overwrite)` (a Hugging Face folder, LoRA merged; a reward model
-as `*ForSequenceClassification`) and `export_run_gguf(run_dir, path, gguf_type)` (one GGUF file).
+as `*ForSequenceClassification`), `export_run_gguf(run_dir, path, gguf_type)` (one GGUF file) and
+`export_folder_gguf(model_dir, path, gguf_type)` (a Hugging Face folder and its tokenizer as one GGUF file:
+here, not in models/, since models/ never imports the tokenizer).
 
 What it is not: training (`train.recipe`) or the file formats (`models.hf`, `models.gguf`).
 """
@@ -145,3 +147,16 @@ def export_run_gguf(run_dir: str, path: str, gguf_type: str = "f32", best: bool 
                              "a Hugging Face folder with --out")
     tok, model = _exported(run_dir, best)
     return export_gguf(model, tok, path, gguf_type, name=os.path.basename(os.path.abspath(run_dir)))
+
+
+def export_folder_gguf(model_dir: str, path: str, gguf_type: str = "f32") -> str:
+    """`posttrain export --model DIR --gguf OUT.gguf`: any Hugging Face folder posttrain loads, with its tokenizer,
+    as one GGUF file."""
+    from posttrain.models.gguf import GGUF_TYPES, export_gguf
+    from posttrain.models.hf import from_pretrained
+    from posttrain.tokenizer import Tokenizer
+
+    if gguf_type not in GGUF_TYPES:
+        raise PosttrainError(f"--gguf-type {gguf_type!r}: use one of {', '.join(GGUF_TYPES)}")
+    tok = Tokenizer.from_pretrained(model_dir)
+    return export_gguf(from_pretrained(model_dir), tok, path, gguf_type, name=os.path.basename(model_dir.rstrip("/")))

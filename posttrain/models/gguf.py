@@ -506,12 +506,3 @@ def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str =
         raise
     return path
 
-
-def export_model_dir(model_dir: str, path: str, gguf_type: str = "f32") -> str:
-    """`posttrain export --model DIR --gguf OUT.gguf`: any Hugging Face folder posttrain loads, as GGUF."""
-    from posttrain.models.hf import from_pretrained
-    from posttrain.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_pretrained(model_dir)
-    return export_gguf(from_pretrained(model_dir), tok, path, gguf_type, name=os.path.basename(model_dir.rstrip("/")))
-
