@@ -30,8 +30,13 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("--only", required=True, help="one section, e.g. sft:8:2048:8:none")
 ap.add_argument("--jsonl", required=True, help="append the result line here")
 ap.add_argument("--preset", default="llama3-1b")
+ap.add_argument("--shape", default="", help="ModelConfig fields replaced, e.g. num_layers=4,vocab_size=32768,"
+                "tie_embeddings=false (the side-by-side runs against Tunix use its model's shape)")
+ap.add_argument("--dtype", default="bfloat16", help="parameter and compute dtype: bfloat16 | float32")
 ap.add_argument("--steps", type=int, default=5, help="timed steps / calls after the first")
 ap.add_argument("--peak-flops", type=float, default=None, help="bf16 matmul FLOP/s for MFU (the peak section's)")
+ap.add_argument("--profile", default=None, help="trace one more call with jax.profiler into this folder and add "
+                "the device's per-op totals to the line (profile_ops)")
 ap.add_argument("--hbm-gbs", type=float, default=819.0, help="HBM bandwidth, GB/s (v5e: 819)")
 args = ap.parse_args()
 
@@ -55,6 +60,17 @@ def stat(key):
         return None
 
 
+def _value(v: str):
+    return {"true": True, "false": False}.get(v.lower(), int(v) if v.lstrip("-").isdigit() else v)
+
+
+SHAPE = {k: _value(v) for k, v in (kv.split("=") for kv in args.shape.split(",") if kv)}
+
+
+def model_config(**kw):
+    return preset(args.preset, param_dtype=args.dtype, dtype=args.dtype, **SHAPE, **kw)
+
+
 def build(cfg):
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     return nnx.merge(graphdef, jax.jit(lambda: nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])())
@@ -69,7 +85,38 @@ def timed(fn, n):
         t = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t)
+    if args.profile:
+        with jax.profiler.trace(args.profile):
+            fn()
     return out, first, times
+
+
+def profile_ops(folder, top=40):
+    """Per-op device time of the traced call: {line: [[name, count, total ms, a stat], ...]} for each device
+    plane's lines (XLA Modules, XLA Ops, ...), the longest first."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return {}
+    out = {}
+    for plane in ProfileData.from_file(max(files, key=os.path.getmtime)).planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            agg = {}
+            for e in line.events:
+                a = agg.setdefault(e.name, [0, 0.0, ""])
+                a[0] += 1
+                a[1] += e.duration_ns / 1e6
+                if not a[2]:
+                    st = dict(e.stats)
+                    a[2] = str(st.get("long_name") or st.get("hlo_category") or st.get("tf_op") or "")[:160]
+            rows = sorted(([k, *v] for k, v in agg.items()), key=lambda r: -r[2])[:top]
+            out[f"{plane.name} {line.name}"] = [[n, c, round(ms, 3), st] for n, c, ms, st in rows]
+    return out
 
 
 def peak(n=8192):
@@ -81,8 +128,7 @@ def peak(n=8192):
 
 
 def train(kind, B, T, M, remat):
-    cfg = preset(args.preset, param_dtype="bfloat16", dtype="bfloat16", remat=remat != "none",
-                 remat_policy="full" if remat == "none" else remat)
+    cfg = model_config(remat=remat != "none", remat_policy="full" if remat == "none" else remat)
     model = build(cfg)
     trainable = nnx.Param
     if kind == "lora":
@@ -116,7 +162,7 @@ def train(kind, B, T, M, remat):
 def sample(B, P, N):
     from posttrain.generate import Sampler, SamplingParams
 
-    cfg = preset(args.preset, param_dtype="bfloat16", dtype="bfloat16")
+    cfg = model_config()
     model = build(cfg)
     sampler = Sampler(model, max_len=P + N)
     rng = np.random.default_rng(0)
@@ -126,7 +172,7 @@ def sample(B, P, N):
     assert (np.asarray(out.lengths) == N).all()
     s = statistics.median(times)
     w = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K and V per cached token
+    kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(args.dtype).itemsize  # K, V a token
     kv_mean = B * (P + N / 2) * kv_tok  # the filled cache, averaged over the decode steps
     need = (w + kv_mean) / (args.hbm_gbs * 1e9)
     return {"batch": B, "prompt": P, "new": N, "call_s": s, "first_call_s": first, "new_tok_s": B * N / s,
@@ -138,16 +184,15 @@ def sample(B, P, N):
 def grpo(P, G, L, N, remat):
     from posttrain import config as C
     from posttrain.data.prompts import Prompt
-    from posttrain.train.lifecycle import place_batch
+    from posttrain.train.trainer import place_batch
     from posttrain.trainers import grpo as gm
 
-    cfg = preset(args.preset, param_dtype="bfloat16", dtype="bfloat16", remat=remat != "none",
-                 remat_policy="full" if remat == "none" else remat)
+    cfg = model_config(remat=remat != "none", remat_policy="full" if remat == "none" else remat)
     tmp = tempfile.mkdtemp(prefix="tpu-bench-")
     with open(os.path.join(tmp, "p.jsonl"), "w") as fh:
         fh.write('{"prompt": "hello"}\n')
     gcfg = C.from_dict(gm.GRPOConfig, {
-        "model": {"preset": args.preset, "dtype": "bfloat16", "remat": remat != "none",
+        "model": {"preset": args.preset, "dtype": args.dtype, "remat": remat != "none",
                   "remat_policy": "full" if remat == "none" else remat},
         "data": {"train": os.path.join(tmp, "p.jsonl"), "max_prompt_length": L},
         "grpo": {"num_generations": G, "max_new_tokens": N, "temperature": 1.0, "beta": 0.0,
@@ -194,7 +239,7 @@ def main():
     name, *rest = args.only.split(":")
     conv = [int(x) if x.isdigit() else x for x in rest]
     out = {"section": args.only, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-           "preset": args.preset}
+           "preset": args.preset, "shape": SHAPE, "dtype": args.dtype}
     if name == "peak":
         out.update(peak(*conv))
     elif name in ("sft", "lora"):
@@ -212,6 +257,8 @@ def main():
     for k in ("model_flops_s", "update_model_flops_s"):
         if k in out and args.peak_flops:
             out[k.replace("model_flops_s", "mfu")] = out[k] / args.peak_flops
+    if args.profile:
+        out["profile_ops"] = profile_ops(args.profile)
     out["wall_s"] = time.perf_counter() - T0
     print(json.dumps(out), flush=True)
     with open(args.jsonl, "a") as fh:
