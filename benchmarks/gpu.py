@@ -80,10 +80,10 @@ from posttrain.losses import sft_loss  # noqa: E402
 from posttrain.models import Transformer, count_params, preset  # noqa: E402
 from posttrain.plan import KEYS, plan  # noqa: E402
 from posttrain.train import init_state, make_train_step  # noqa: E402
-from posttrain.train.lifecycle import place_batch  # noqa: E402
+from posttrain.train.trainer import place_batch  # noqa: E402
 from posttrain.plan import flops_per_token  # noqa: E402
 from posttrain.trainers import grpo as grpo_module  # noqa: E402
-from posttrain.train.build import memory_plan  # noqa: E402
+from posttrain.recipes.build import memory_plan  # noqa: E402
 
 
 def left() -> float:

@@ -44,7 +44,7 @@ from posttrain import config as C  # noqa: E402
 from posttrain.data.branches import ROW_FIELDS, SCORE_FIELDS, group_row  # noqa: E402
 from posttrain.data.prompts import Prompt  # noqa: E402
 from posttrain.losses.grpo import make_grpo_loss  # noqa: E402
-from posttrain.train.lifecycle import place_batch  # noqa: E402
+from posttrain.train.trainer import place_batch  # noqa: E402
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 
 

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import posttrain  # noqa: E402,F401  (first: CPU XLA defaults before JAX starts)
 from posttrain import config as C  # noqa: E402
 from posttrain.data.prompts import Prompt  # noqa: E402
-from posttrain.train.lifecycle import place_batch  # noqa: E402
+from posttrain.train.trainer import place_batch  # noqa: E402
 from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from posttrain.trainers.ppo import PPOConfig, PPOTrainer  # noqa: E402
 

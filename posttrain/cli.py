@@ -123,8 +123,8 @@ def _plan(args) -> None:
     from posttrain import config as C
     from posttrain import sharding as sh
     from posttrain.plan import format_plan
+    from posttrain.recipes.build import build_tokenizer, memory_plan, model_config
     from posttrain.runs import config_recipe
-    from posttrain.train.build import build_tokenizer, memory_plan, model_config
 
     recipe = trainers.recipe_class(config_recipe(args.config))
     cfg = C.load(recipe.config_class, args.config, args.overrides)

@@ -12,7 +12,7 @@ What it is:
 A sample is correct when its total reward (the weighted sum of the reward functions, as in
 training) is at least `correct_at` (1.0: a right answer under math_answer / last_number).
 
-What it is not: a loss evaluation (`train.lifecycle.make_eval`) or a benchmark harness with its own
+What it is not: a loss evaluation (`train.trainer.make_eval`) or a benchmark harness with its own
 prompt formats (the prompts are rows of a data file, as a trainer reads them).
 """
 

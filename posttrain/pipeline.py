@@ -270,9 +270,9 @@ class Pipeline:
         import jax
         from jax.experimental import multihost_utils
 
+        from posttrain.recipes.lifecycle import check_same_run
         from posttrain.runs import export_run
         from posttrain.sharding import is_main_process
-        from posttrain.train.lifecycle import check_same_run
 
         if dataset is not None:
             self._set_dataset(dataset)

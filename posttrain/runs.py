@@ -8,7 +8,7 @@ as `*ForSequenceClassification`), `export_run_gguf(run_dir, path, gguf_type)` (o
 `export_folder_gguf(model_dir, path, gguf_type)` (a Hugging Face folder and its tokenizer as one GGUF file:
 here, not in models/, since models/ never imports the tokenizer).
 
-What it is not: training (`train.recipe`) or the file formats (`models.hf`, `models.gguf`).
+What it is not: training (`recipes.recipe`) or the file formats (`models.hf`, `models.gguf`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from posttrain.errors import PosttrainError
 from posttrain.models import save_pretrained
 from posttrain.models.hf import canonical_dtype, check_export_target
 from posttrain.models.lora import merge_lora
-from posttrain.train.build import build_tokenizer
-from posttrain.train.lifecycle import RUN_FILE, WEIGHTS
+from posttrain.recipes.build import build_tokenizer
+from posttrain.recipes.lifecycle import RUN_FILE
 from posttrain.train.serialize import load_state
+from posttrain.train.trainer import WEIGHTS
 from posttrain.trainers import guess_recipe, recipe_class
 
 

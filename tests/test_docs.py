@@ -122,7 +122,7 @@ def _tree_paths(text: str) -> list[str]:
 
 def test_architecture_map_names_existing_files():
     paths = _tree_paths(open(os.path.join(ROOT, "docs/ARCHITECTURE.md")).read())
-    assert len(paths) > 100 and "posttrain/train/recipe.py" in paths
+    assert len(paths) > 100 and "posttrain/recipes/recipe.py" in paths
     assert [p for p in paths if not os.path.exists(os.path.join(ROOT, p))] == []
 
 

@@ -5,10 +5,8 @@ cycle, no module imports another module's `_private` name, `losses/` imports not
 imports `demos/`; no recipe module under trainers/ imports another or is over 220 lines.
 
 `models/` imports nothing from the tokenizer (a folder's GGUF export with its tokenizer is runs.py's).
-
-Not checked yet (#53, they do not hold today): `train/` imports
-rewards, evals and data (train/recipe.py: data.prompts, evals, rewards.registry) and the tokenizer
-(train/build.py): the engine / recipe driver split of #53 is to end that."""
+The engine, `train/`, imports nothing from the recipe driver (`recipes/`), the recipes (`trainers/`),
+rewards, evals, data or the tokenizer."""
 
 import ast
 import os
@@ -122,6 +120,17 @@ def _under(module: str, package: str) -> bool:
 def test_layers_do_not_import_upward(low, high):
     wrong = [(src, target) for src, target, _ in IMPORTS if _under(src, low) and _under(target, high)]
     assert wrong == []
+
+
+ABOVE_THE_ENGINE = ("posttrain.recipes", "posttrain.trainers", "posttrain.rewards", "posttrain.evals",
+                    "posttrain.data", "posttrain.tokenizer")
+
+
+def test_the_engine_imports_no_recipe_reward_evaluator_data_or_tokenizer():
+    wrong = [(src, target) for src, target, _ in IMPORTS
+             if _under(src, "posttrain.train") and any(_under(target, high) for high in ABOVE_THE_ENGINE)]
+    assert wrong == []
+    assert any(_under(src, "posttrain.recipes") and _under(t, "posttrain.train") for src, t, _ in IMPORTS)
 
 
 def test_the_library_never_imports_the_demos():

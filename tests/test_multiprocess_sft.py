@@ -104,7 +104,7 @@ def test_two_processes_sft_cli_equals_one_device(tmp_path):
     print(f"2 processes + reference: {seconds:.1f} s; max |param diff| {diff:.2e}, max |loss diff| {loss_diff:.2e}")
 
     # the run folder locked by another process: both processes refuse (exit 2), neither waits at a barrier
-    from posttrain.train.lifecycle import RunLock
+    from posttrain.recipes.lifecycle import RunLock
 
     lock = RunLock(run_dir)
     port = _free_port()

@@ -7,7 +7,7 @@ import urllib.request
 from pathlib import Path
 
 from posttrain import config as C
-from posttrain.train.loop import FnHook
+from posttrain.train.loop import Hook
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DATA = os.path.join(HERE, "data", "sft_prompt_completion.jsonl")
@@ -16,7 +16,7 @@ DATA = os.path.join(HERE, "data", "sft_prompt_completion.jsonl")
 def test_sinks_profiler_and_mfu_during_a_run(tmp_path, monkeypatch):
     """Prometheus scraped at step 4, TensorBoard loss at every step, a profiler trace, and the MFU of the run's
     throughput against a configured peak."""
-    import posttrain.train.lifecycle as lifecycle
+    import posttrain.train.trainer as engine
     import posttrain.trainers.sft as sft_mod
 
     run_dir = str(tmp_path / "run")
@@ -26,7 +26,7 @@ def test_sinks_profiler_and_mfu_during_a_run(tmp_path, monkeypatch):
         "metrics.sinks=[jsonl,tensorboard,prometheus]", "metrics.prometheus_port=0",
         "profile.start_step=2", "profile.num_steps=2", "metrics.peak_flops=1e12"])
     sinks, scraped = [], {}
-    real_make, real_loop = lifecycle.make_sinks, lifecycle.train_loop
+    real_make, real_loop = engine.make_sinks, engine.train_loop
 
     def make(*a, **kw):
         sinks.extend(real_make(*a, **kw))
@@ -38,10 +38,10 @@ def test_sinks_profiler_and_mfu_during_a_run(tmp_path, monkeypatch):
                 port = next(s.port for s in sinks if hasattr(s, "port"))
                 scraped["text"] = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
 
-        return real_loop(*a, hooks=list(hooks) + [FnHook(1, scrape)], **kw)
+        return real_loop(*a, hooks=list(hooks) + [Hook(scrape, 1)], **kw)
 
-    monkeypatch.setattr(lifecycle, "make_sinks", make)
-    monkeypatch.setattr(lifecycle, "train_loop", loop)
+    monkeypatch.setattr(engine, "make_sinks", make)
+    monkeypatch.setattr(engine, "train_loop", loop)
     result = sft_mod.SFTTrainer(cfg, progress=False).train()
 
     text = scraped["text"]

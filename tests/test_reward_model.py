@@ -38,8 +38,8 @@ from posttrain.models.lora import LoraParam
 from posttrain.rewards import RewardModel, tokenize_completion
 from posttrain.runs import export_run
 from posttrain.tokenizer import byte_tokenizer
-from posttrain.train.lifecycle import WEIGHTS
 from posttrain.train.serialize import save_state
+from posttrain.train.trainer import WEIGHTS
 from posttrain.trainers.reward_model import (
     RMConfig,
     RMTrainer,

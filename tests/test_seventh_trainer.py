@@ -20,8 +20,8 @@ from posttrain import config as C
 from posttrain.data import batches, load_examples
 from posttrain.losses import sft_loss
 from posttrain.plan import flops_per_token
-from posttrain.train.build import build_model
-from posttrain.train.recipe import Parts, Recipe
+from posttrain.recipes.build import build_model
+from posttrain.recipes.recipe import Parts, Recipe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

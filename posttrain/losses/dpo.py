@@ -26,7 +26,7 @@ def make_dpo_loss(*, beta: float = 0.1, loss_type: str = "sigmoid", label_smooth
                   reference: str | None = "frozen"):
     """`reference`: "frozen" (the reference log-probs are a forward of the `frozen` model when the
     batch has no "ref_logps"; a LoRA recipe passes the policy with its adapters off, see
-    `train.recipe.lora_reference`) or None (precomputed: always batch["ref_logps"])."""
+    `recipes.recipe.lora_reference`) or None (precomputed: always batch["ref_logps"])."""
     if reference not in (None, "frozen"):
         raise ValueError(f"reference={reference!r}: use 'frozen' or None (precomputed)")
 

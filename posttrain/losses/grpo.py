@@ -13,7 +13,7 @@ log-probs [B, n·T] reshape to the sampler's [B·n, T] layout and go to `policy_
   advantages  batch["advantages"] [B, n]
   mask        batch["score_w"]    [B, n·T]  1 on sampled tokens (up to and including a stop token)
 and, when beta > 0, reference log-probs from `frozen`, the reference model (a frozen copy, or the
-policy with its LoRA adapters off: `train.recipe.lora_reference`). Metrics: loss, policy_loss's
+policy with its LoRA adapters off: `recipes.recipe.lora_reference`). Metrics: loss, policy_loss's
 (kl, clip_region_mean, ...), entropy (masked
 token mean) and logp_mismatch_max = max |trainer − sampler| log-prob over the batch's tokens
 (exactly on-policy at the first of μ iterations: ~1e-6 in float32).

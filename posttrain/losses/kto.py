@@ -97,7 +97,7 @@ def make_kto_loss(*, beta: float = 0.1, desirable_weight: float = 1.0, undesirab
     (branch 1 the completion, branch 2 the mismatched KL completion; no branch 2 for
     "apo_zero_unpaired") and `batch["label"]` [B] (1 desirable, 0 undesirable). The reference
     log-probabilities are a forward of `frozen` on the same rows, without gradient (a LoRA recipe
-    passes the policy with its adapters off, `train.recipe.lora_reference`). A row with no completion
+    passes the policy with its adapters off, `recipes.recipe.lora_reference`). A row with no completion
     token is padding and counts in nothing."""
     if loss_type not in KTO_LOSS_TYPES:
         raise ValueError(f"unknown KTO loss_type {loss_type!r}; expected one of {list(KTO_LOSS_TYPES)}")

@@ -26,8 +26,8 @@ from posttrain.models import from_pretrained, load_config
 from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head, last_token_scores
 from posttrain.models.hf import tensor_files
 from posttrain.models.lora import apply_lora
+from posttrain.recipes.build import build_model, is_classifier, numerics
 from posttrain.tokenizer import Tokenizer, check_same_tokenizer
-from posttrain.train.build import build_model, is_classifier, numerics
 from posttrain.train.optim import make_optimizer, schedule
 
 

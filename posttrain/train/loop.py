@@ -9,6 +9,7 @@ What it is not: a trainer recipe (see `posttrain.trainers`).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -19,21 +20,24 @@ from posttrain.errors import PosttrainError
 from posttrain.sharding import to_host
 
 
+@dataclasses.dataclass
 class Hook:
-    """Something to run every `every` steps (and after the last step)."""
+    """`fn(step, state, metrics)` run after every `every`-th step and after the last step (every=0: after the
+    last one only); `metrics` is the last logged record."""
 
+    fn: Callable
     every: int = 0
 
-    def __call__(self, step: int, state, metrics: dict) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    def __call__(self, step: int, state, metrics: dict):
+        return self.fn(step, state, metrics)
 
 
-class FnHook(Hook):
-    def __init__(self, every: int, fn: Callable):
-        self.every, self.fn = every, fn
+@dataclasses.dataclass
+class MetricsHook:
+    """`fn(record) -> dict` merged into every logged record before the sinks see it (host-side figures: MFU,
+    memory, an RL rollout's statistics)."""
 
-    def __call__(self, step, state, metrics):
-        self.fn(step, state, metrics)
+    fn: Callable[[dict], dict]
 
 
 class Stopped(Exception):
@@ -55,12 +59,12 @@ def _check_finite(metrics, step: int, max_nonfinite: int) -> None:
 
 
 def train_loop(step_fn, state, batches: Iterable[dict] | Callable[..., dict], *, steps: int, start_step: int = 0,
-               log_every: int = 10, sinks: Sequence = (), hooks: Sequence[Hook] = (), progress: bool = True,
-               max_nonfinite: int = 3, profiler=None, extra_metrics: Optional[Callable] = None,
-               place_batch: Optional[Callable] = None, stop: Optional[Callable[[], Optional[str]]] = None):
+               log_every: int = 10, sinks: Sequence = (), hooks: Sequence[Hook | MetricsHook] = (),
+               progress: bool = True, max_nonfinite: int = 3, profiler=None, place_batch: Optional[Callable] = None,
+               stop: Optional[Callable[[], Optional[str]]] = None):
     """Run steps start_step+1 .. steps; returns (state, history of logged metric dicts).
 
-    extra_metrics(m) -> dict adds host-side figures (MFU, memory) to each logged record;
+    hooks: `Hook`s fire after their steps (in order), `MetricsHook`s add host-side figures to each logged record;
     place_batch(batch) puts a host batch on the devices (sharded over the mesh's batch axes; in a
     multi-process run it keeps this process's rows). stop() -> a reason or None is asked after each
     step (its hooks run first); a reason ends the loop with `Stopped` (not after the last step).
@@ -76,6 +80,8 @@ def train_loop(step_fn, state, batches: Iterable[dict] | Callable[..., dict], *,
         def next_batch(_state):
             return next(it)
 
+    metric_hooks = [h for h in hooks if isinstance(h, MetricsHook)]
+    hooks = [h for h in hooks if not isinstance(h, MetricsHook)]
     history = []
     bar = tqdm(total=steps, initial=start_step, disable=not progress, dynamic_ncols=True, unit="step")
     window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
@@ -99,8 +105,8 @@ def train_loop(step_fn, state, batches: Iterable[dict] | Callable[..., dict], *,
             m = {k: float(to_host(v)) for k, v in metrics.items()}
             elapsed = time.perf_counter() - window_start
             m.update(step=step, tokens_per_s=window_tokens / elapsed, step_time_s=elapsed / window_steps)
-            if extra_metrics is not None:
-                m.update(extra_metrics(m))
+            for h in metric_hooks:
+                m.update(h.fn(m))
             history.append(m)
             for sink in sinks:
                 sink.write(step, {k: v for k, v in m.items() if k != "step"})

@@ -1,4 +1,4 @@
-"""The recipes (one `train.recipe.Recipe` per module) and their registry.
+"""The recipes (one `recipes.recipe.Recipe` per module) and their registry.
 
 `TRAINERS` maps a recipe's name (the CLI subcommand, a pipeline stage's `recipe`, the name written
 into a run folder's run.json) to its module and help line. It is read from the modules' source

@@ -16,7 +16,7 @@ Data modes (`distill.mode`):
                      for the next prompts (from the train state's weights), else the offline batch.
 Evaluation on `data.eval`: eval_teacher_kl (KL(teacher‖student) at τ = 1), eval_top1_agreement,
 eval_logit_cosine, eval_hidden_cosine (see losses/distill_step.py). Run folder, resume, sinks and
-the mesh are the shared driver's (`train.recipe`); `posttrain export --run` writes the student as a HF folder.
+the mesh are the shared driver's (`recipes.recipe`); `posttrain export --run` writes the student as a HF folder.
 
 What it is not: multi-teacher distillation, or distillation across tokenizers.
 """
@@ -40,10 +40,10 @@ from posttrain.losses.distill_step import make_distill_loss
 from posttrain.models import count_params, load_config
 from posttrain.models.lora import LoraParam
 from posttrain.plan import flops_per_token
+from posttrain.recipes.build import build_model, build_tokenizer, preset_config, weights_stamp
+from posttrain.recipes.recipe import Parts, Recipe
 from posttrain.rl.distill import OnPolicyBatches, ProjectionParam, attach_projection, cached_teacher_samples
 from posttrain.tokenizer import check_same_tokenizer
-from posttrain.train.build import build_model, build_tokenizer, preset_config, weights_stamp
-from posttrain.train.recipe import Parts, Recipe
 
 SAMPLES_FILE = "teacher_samples.npz"
 

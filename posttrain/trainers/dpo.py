@@ -11,7 +11,7 @@
     (a resumed run reads them back).
 Metrics every log step: loss, rewards/chosen, rewards/rejected, rewards/margins,
 rewards/accuracies, logps/chosen, logps/rejected (TRL's names); with data.eval the same as
-eval_*. Run folder, resume, checkpoints, sinks and the mesh are the shared driver's (`train.recipe`),
+eval_*. Run folder, resume, checkpoints, sinks and the mesh are the shared driver's (`recipes.recipe`),
 exactly as for SFT; `posttrain export --run` writes the policy as a Hugging Face folder.
 
 What it is not: online DPO (no sampling) or KTO (unpaired data).
@@ -36,9 +36,9 @@ from posttrain.losses.dpo import make_dpo_loss
 from posttrain.losses.logps import branch_logps
 from posttrain.models.lora import LoraParam, adapters_off
 from posttrain.plan import flops_per_token
-from posttrain.train.build import build_model, weights_stamp
-from posttrain.train.lifecycle import frozen_copy, place_batch
-from posttrain.train.recipe import Parts, Recipe, lora_reference
+from posttrain.recipes.build import build_model, weights_stamp
+from posttrain.recipes.recipe import Parts, Recipe, lora_reference
+from posttrain.train.trainer import frozen_copy, place_batch
 
 REF_FILE = "ref_logps.npz"
 LossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",

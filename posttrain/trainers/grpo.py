@@ -4,7 +4,7 @@
 (TRL's prompt-only rows, other columns go to the reward functions) and the policy (LoRA or full),
 builds a `Sampler` on the policy and a `rl.GroupRollout` batch source, and trains with
 `losses/grpo.make_grpo_loss` (`policy_loss`: TRL 1.16's loss types, clipping, GSPO, KL) on the
-shared driver (`train.recipe`), so the run folder, resume, checkpoints, sinks and the mesh behave
+shared driver (`recipes.recipe`), so the run folder, resume, checkpoints, sinks and the mesh behave
 as for SFT. Each step: n samples for each of `train.batch_size` prompts (one prefill per prompt),
 rewards, advantages (`grpo.advantages`: group, rloo, reinforce_pp), and one row per prompt with its n
 completions as branches; a rollout serves `grpo.num_iterations` (μ) steps. The sampler's log-probs are
@@ -42,13 +42,13 @@ from posttrain.losses.advantages import ESTIMATORS
 from posttrain.losses.grpo import make_grpo_loss
 from posttrain.models.lora import LoraParam
 from posttrain.plan import flops_per_token
+from posttrain.recipes.build import build_model
+from posttrain.recipes.recipe import Parts, Recipe, group_rows, lora_reference
 from posttrain.rewards.registry import reward_functions
 from posttrain.rl.offpolicy import StaleRollout
 from posttrain.rl.rollout import GroupRollout
 from posttrain.sharding import make_mesh, preset_rules
-from posttrain.train.build import build_model
-from posttrain.train.lifecycle import frozen_copy
-from posttrain.train.recipe import Parts, Recipe, group_rows, lora_reference
+from posttrain.train.trainer import frozen_copy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

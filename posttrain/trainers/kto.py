@@ -34,9 +34,9 @@ from posttrain.errors import PosttrainError
 from posttrain.losses.kto import KTO_LOSS_TYPES, kto_means, make_kto_loss
 from posttrain.models.lora import LoraParam
 from posttrain.plan import flops_per_token
-from posttrain.train.build import build_model
-from posttrain.train.lifecycle import frozen_copy
-from posttrain.train.recipe import Parts, Recipe, lora_reference
+from posttrain.recipes.build import build_model
+from posttrain.recipes.recipe import Parts, Recipe, lora_reference
+from posttrain.train.trainer import frozen_copy
 
 ACCEPTED = ('{"prompt", "completion", "label": true/false} (strings, or lists of {"role", "content"} messages), '
             'or paired {"prompt", "chosen", "rejected"} rows')

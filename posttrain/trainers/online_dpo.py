@@ -1,7 +1,7 @@
 """Online DPO recipe: the policy samples two completions per prompt, a judge picks the better, DPO loss.
 
 `OnlineDPOTrainer(config).train()` (or `posttrain online_dpo --config ...`) is TRL 1.16's
-`OnlineDPOTrainer` (trl/experimental/online_dpo) on the shared driver (`train.recipe`). Each step:
+`OnlineDPOTrainer` (trl/experimental/online_dpo) on the shared driver (`recipes.recipe`). Each step:
   1. `train.batch_size` prompts, 2 samples each from the train state's own weights (`rl.GroupRollout`
      with n = 2: one prefill per prompt, rollout r keyed fold_in(key(data.seed), r), so a resumed run
      samples what the uninterrupted one did);
@@ -12,7 +12,7 @@
      first), the other is rejected; the prompt's row is [prompt | chosen | rejected], the DPO recipe's
      prefix-shared pair row (its score entries in [2, max_new_tokens] slots);
   4. the DPO loss (`losses.preference.dpo_loss`) against the reference: the policy with its LoRA
-     adapters off (`train.recipe.lora_reference`) or a frozen copy of the start (full fine-tuning).
+     adapters off (`recipes.recipe.lora_reference`) or a frozen copy of the start (full fine-tuning).
      "sigmoid" is the DPO recipe's loss; "ipo" is TRL's online IPO, (Δ − 1/(2β))² on the summed
      log-ratios (TRL's offline DPOTrainer, and `dpo.loss_type=ipo`, average them per token).
 Metrics (TRL's names): loss, rewards/{chosen,rejected,margins,accuracies}, logps/{chosen,rejected},
@@ -41,12 +41,12 @@ from posttrain.losses.logps import branch_logps
 from posttrain.losses.preference import dpo_loss
 from posttrain.models.lora import LoraParam
 from posttrain.plan import flops_per_token
+from posttrain.recipes.build import build_model
+from posttrain.recipes.recipe import Parts, Recipe, group_rows, lora_reference
 from posttrain.rewards.registry import reward_functions
 from posttrain.rl.rollout import GroupRollout
-from posttrain.train.build import build_model
-from posttrain.train.lifecycle import frozen_copy
-from posttrain.train.recipe import Parts, Recipe, group_rows, lora_reference
 from posttrain.train.step import merge
+from posttrain.train.trainer import frozen_copy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

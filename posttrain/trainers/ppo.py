@@ -2,7 +2,7 @@
 
 `PPOTrainer(config).train()` (or `posttrain ppo --config configs/ppo_tiny.yaml`): the prompts and
 reward functions of GRPO (`trainers/grpo.py`), the policy (LoRA or full) and a critic, one train
-step over both (`rl/ppo.make_ppo_loss`) on the shared driver, `train.recipe` (run folder,
+step over both (`rl/ppo.make_ppo_loss`) on the shared driver, `recipes.recipe` (run folder,
 resume, checkpoints, sinks, mesh as every trainer). The batch source is `rl/ppo.PPORollout`:
 samples on the train state's weights, rewards, one forward for the reference log-probs and the
 critic's values, −β·KL per token + the score at the last token, GAE, whitening, then
@@ -33,13 +33,13 @@ from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.logps import branch_logps
 from posttrain.models.lora import adapters_off
 from posttrain.plan import flops_per_token
+from posttrain.recipes.build import build_model
+from posttrain.recipes.recipe import Parts, Recipe, group_rows
 from posttrain.rewards.registry import reward_functions
 from posttrain.rl.critic import check_reward_model, critic_values, ppo_model, ppo_optimizer
 from posttrain.rl.ppo import AdaptiveKL, FixedKL, PPORollout, make_ppo_loss
 from posttrain.train import merge
-from posttrain.train.build import build_model
-from posttrain.train.lifecycle import frozen_copy
-from posttrain.train.recipe import Parts, Recipe, group_rows
+from posttrain.train.trainer import frozen_copy
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

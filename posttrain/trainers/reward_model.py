@@ -7,7 +7,7 @@ column) and the model (a HF causal-LM folder or a preset), attaches a score head
 and, if enabled, LoRA adapters (then the adapters and the head train: `TRAINABLE_WITH_LORA`).
 Each pair is one prefix-shared row [prompt | chosen | rejected] run once (`pair_scores`); the loss
 is `make_reward_loss` over `losses/reward.per_pair_loss` (TRL's RewardTrainer loss, with the margin
-and reward centering options), on the shared driver (`train.recipe`: run folder, resume, sinks,
+and reward centering options), on the shared driver (`recipes.recipe`: run folder, resume, sinks,
 eval, checkpoints, `trainable.safetensors`), as for SFT. Eval metrics: eval_loss, eval_accuracy,
 eval_margin, ...
 
@@ -36,8 +36,8 @@ from posttrain.models import from_pretrained
 from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head, last_token_scores, score_index
 from posttrain.models.lora import apply_lora
 from posttrain.plan import flops_per_token
-from posttrain.train.build import build_model, is_classifier, numerics
-from posttrain.train.recipe import Parts, Recipe
+from posttrain.recipes.build import build_model, is_classifier, numerics
+from posttrain.recipes.recipe import Parts, Recipe
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,7 @@
 `SFTTrainer(config).train()` (or `posttrain sft --config ...`): loads the tokenizer, the examples
 (`data.load_examples`: text, prompt/completion and chat rows) and the model (a HF folder or a
 preset; LoRA adapters when enabled, then only they train), and trains with `losses.sft_loss`
-through `train.recipe.Recipe` -> `train.lifecycle.run_trainer`, which writes the run folder
+through `recipes.recipe.Recipe` -> `recipes.lifecycle.run_trainer`, which writes the run folder
 (config.yaml, run.json, metrics.jsonl, `trainable.safetensors`, Orbax checkpoints), resumes a
 re-run of the same command exactly and splits the work over processes (`--distributed`).
 `posttrain export --run` writes the result as a Hugging Face folder (LoRA merged).
@@ -19,8 +19,8 @@ from posttrain.errors import PosttrainError
 from posttrain.losses import sft_loss
 from posttrain.models.lora import LoraParam
 from posttrain.plan import flops_per_token
-from posttrain.train.build import build_model
-from posttrain.train.recipe import Parts, Recipe
+from posttrain.recipes.build import build_model
+from posttrain.recipes.recipe import Parts, Recipe
 
 
 class SFTTrainer(Recipe):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from posttrain.train.lifecycle import RunLock
+from posttrain.recipes.lifecycle import RunLock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tables  # noqa: E402

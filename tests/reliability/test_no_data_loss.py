@@ -249,21 +249,21 @@ def test_dtype_aliases():
 
 
 def test_resume_drops_a_cut_last_metrics_line_and_ends_bitwise_equal(tiny, tmp_path, monkeypatch, capsys):
-    import posttrain.train.lifecycle as lifecycle
-    from posttrain.train.loop import FnHook
+    import posttrain.train.trainer as engine
+    from posttrain.train.loop import Hook
 
     config, ref = tiny
     run = tmp_path / "run"
-    real_loop = lifecycle.train_loop
+    real_loop = engine.train_loop
 
     def sigterm_at_3(step, state, metrics):
         if step == 3:
             os.kill(os.getpid(), signal.SIGTERM)  # noted by the run's handler: checkpoint, then stop
 
-    monkeypatch.setattr(lifecycle, "train_loop",
-                        lambda *a, hooks=(), **kw: real_loop(*a, hooks=[*hooks, FnHook(1, sigterm_at_3)], **kw))
+    monkeypatch.setattr(engine, "train_loop",
+                        lambda *a, hooks=(), **kw: real_loop(*a, hooks=[*hooks, Hook(sigterm_at_3, 1)], **kw))
     assert sft(config, run) == 128 + signal.SIGTERM
-    monkeypatch.setattr(lifecycle, "train_loop", real_loop)
+    monkeypatch.setattr(engine, "train_loop", real_loop)
     metrics = run / "metrics.jsonl"
     lines = metrics.read_bytes().splitlines(keepends=True)
     assert [json.loads(ln)["step"] for ln in lines] == [1, 2, 3]
@@ -284,7 +284,7 @@ def test_resume_drops_a_cut_last_metrics_line_and_ends_bitwise_equal(tiny, tmp_p
 
 
 def test_truncate_jsonl_keeps_a_whole_last_record_and_refuses_a_bad_middle_line(tmp_path):
-    from posttrain.train.lifecycle import _truncate_jsonl
+    from posttrain.train.trainer import _truncate_jsonl
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}')  # the last record lacks only its newline

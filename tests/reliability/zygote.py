@@ -30,9 +30,9 @@ from jax._src import xla_bridge
 
 import posttrain.cli
 import posttrain.report
-import posttrain.train.lifecycle as lifecycle
+import posttrain.train.trainer as engine
 import posttrain.trainers
-from posttrain.train.loop import FnHook
+from posttrain.train.loop import Hook
 
 for _trainer in posttrain.trainers.TRAINERS:
     posttrain.trainers.recipe_class(_trainer)  # the trainers' modules
@@ -43,7 +43,7 @@ assert not xla_bridge.backends_are_initialized(), "a JAX backend started before 
 def child(argv, out_fd, signal_at=None, fsize_at=None):
     os.dup2(out_fd, 1)  # a pipe, as to a terminal: the file-size limit is for the run's own files
     os.dup2(out_fd, 2)
-    real_loop = lifecycle.train_loop
+    real_loop = engine.train_loop
 
     def fault(step, state, metrics):
         if fsize_at and step == fsize_at[0]:
@@ -53,9 +53,9 @@ def child(argv, out_fd, signal_at=None, fsize_at=None):
             os.kill(os.getpid(), getattr(signal, signal_at[1]))
 
     def loop_with_faults(*args, hooks=(), **kw):
-        return real_loop(*args, hooks=list(hooks) + [FnHook(1, fault)], **kw)
+        return real_loop(*args, hooks=list(hooks) + [Hook(fault, 1)], **kw)
 
-    lifecycle.train_loop = loop_with_faults
+    engine.train_loop = loop_with_faults
     try:
         rc = posttrain.cli.main(argv)
     except BaseException:  # a bug: the traceback goes to the log, the exit code says so

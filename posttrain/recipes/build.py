@@ -6,7 +6,7 @@ folder or a preset, LoRA attached when enabled, created directly sharded on a me
 `memory_plan(config, model_cfg, mesh_shape, seq_len=..., kv_cache_tokens=...)` (`posttrain.plan`
 for one micro-batch of a training config).
 
-What it is not: a recipe (`posttrain.trainers`) or the driver (`train.recipe`).
+What it is not: a recipe (`posttrain.trainers`) or the driver (`recipes.recipe`).
 """
 
 from __future__ import annotations

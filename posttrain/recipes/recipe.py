@@ -10,7 +10,9 @@ and three methods:
   - `done_line(result)`: the line a finished run prints (optional: loss first -> last).
 `Recipe.setup()` turns the Parts into a train state, the jitted step (micro-batches from
 train.micro_batch_size), the batch source and the evaluator (`Setup`); `Recipe.train()` hands them
-to `train.lifecycle.run_trainer` (run folder, resume, checkpoints, sinks, report). For a finished
+to `recipes.lifecycle.run_trainer` (run folder, report) with its hooks (the evaluation every
+train.eval_every steps, an RL rollout's statistics), which the engine (`train.trainer.Trainer`: resume,
+checkpoints, sinks, the loop) fires. For a finished
 run `run_model(config, tok)` rebuilds the module whose weights `trainable.safetensors` holds and
 `exported(config, model)` picks what `posttrain export` writes (`posttrain.runs`).
 `plan_rows(config)` gives `posttrain plan` the row length and the sampler's KV-cache tokens.
@@ -18,7 +20,7 @@ run `run_model(config, tok)` rebuilds the module whose weights `trainable.safete
 A new trainer is one module under `posttrain/trainers/` (found by its `name` and `help`), its config
 and its docs (docs/ARCHITECTURE.md shows one).
 
-What it is not: the loop (`train.loop`), the run folder (`train.lifecycle`) or a loss (`losses/`).
+What it is not: the engine (`posttrain.train`), the run folder (`recipes.lifecycle`) or a loss (`losses/`).
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from posttrain.evals import SampledEval
 from posttrain.models import count_params
 from posttrain.models.lora import LoraParam, adapters_off
 from posttrain.plan import format_plan
+from posttrain.recipes.build import build_mesh, build_model, build_tokenizer, memory_plan, split_devices
+from posttrain.recipes.lifecycle import check_processes, prepare_run_dir, run_trainer
 from posttrain.rewards.registry import reward_functions
-from posttrain.train.build import build_mesh, build_model, build_tokenizer, memory_plan, split_devices
-from posttrain.train.lifecycle import check_processes, make_eval, prepare_run_dir, run_trainer, training_state
+from posttrain.train.loop import Hook, MetricsHook
 from posttrain.train.step import TrainState, make_train_step, merge
+from posttrain.train.trainer import make_eval, training_state
 
 
 @dataclasses.dataclass
@@ -228,9 +232,13 @@ class Recipe:
                    f"{count_params(nnx.state(p.model, p.trainable)) / n:.2%}\n[{self.name}] memory estimate (as "
                    f"`posttrain plan`):\n" + format_plan(memory_plan(c, p.model.cfg, mesh_shape, seq_len=seq,
                                                                      kv_cache_tokens=kv)))
-        state, result = run_trainer(c, s.state, s.step, s.batches, name=self.name, evaluate=s.evaluate,
-                                    mesh=self.mesh, rules=self.rules, summary=summary, progress=self.progress,
-                                    flops_per_token=p.flops_per_token,
-                                    host_metrics=getattr(s.batches, "metrics", None) if callable(s.batches) else None)
+        hooks = []
+        if s.evaluate is not None:  # every train.eval_every steps and after the last; its metrics are logged
+            hooks.append(Hook(lambda _step, st, _m: s.evaluate(st), c.train.eval_every))
+        if callable(s.batches) and callable(getattr(s.batches, "metrics", None)):  # a rollout's statistics
+            hooks.append(MetricsHook(lambda _record: s.batches.metrics()))
+        state, result = run_trainer(c, s.state, s.step, s.batches, name=self.name, hooks=hooks, mesh=self.mesh,
+                                    rules=self.rules, summary=summary, progress=self.progress,
+                                    flops_per_token=p.flops_per_token)
         self.model = merge(s.graphdef, state)
         return result
