@@ -130,8 +130,10 @@ def test_lora_grpo_learns_from_code_run_in_the_sandbox(tmp_path, sft_addition):
     """The GRPO code-reward learning test: each sample becomes a program (`x = <completion>`, the prompt's
     statement completed by the model, HumanEval style) that `code_tests` runs behind posttrain.sandbox's OS
     boundary (bubblewrap; `make test` installs it) against the row's `assert x == <answer>`; LoRA GRPO on
-    that reward alone raises the sampled reward and the greedy held-out accuracy. Every program of every
-    step is a sandboxed process (48 steps x 8 prompts x 8 samples = 3,072), so the run is shorter than the
+    that reward alone raises the sampled reward and the greedy held-out accuracy. Every distinct program of every
+    step is a sandboxed process (of 48 steps x 8 prompts x 8 samples = 3,072; a sample that repeats its group's
+    program gets that program's verdict: each run costs ~0.1-0.5 s of wall time, mostly the sandbox's set-up, and
+    the test took 200 s when every sample ran), so the run is shorter than the
     exact-answer test above; on the first rollout the sandboxed verdict equals the plain check (reply ==
     answer) on every digit-only reply (a sandbox that fails a right program, or passes a wrong one, breaks it).
     Seen on an AMD EPYC (AVX2): greedy 0.450 -> 0.655, sampled reward (first / last 12 steps) 0.229 -> 0.387. On
@@ -144,10 +146,16 @@ def test_lora_grpo_learns_from_code_run_in_the_sandbox(tmp_path, sft_addition):
     assert resolve_mode("auto") == "bwrap", "the code reward must run behind bubblewrap here"
     prompts, pairs = rl_data(tmp_path, tests=True)
     code = CodeTests("tests", timeout_s=5.0)
-    checked = []
+    checked, ran = [], []
 
     def answer_as_code(prompts, completions, tests, answer, **_):
-        scores = code(prompts, [f"x = {c.strip()}" for c in completions], tests=tests)
+        # each distinct (program, tests) of a rollout runs once in the sandbox and its verdict scores every sample
+        # that wrote it (a group's samples repeat one another: a program's verdict does not depend on who wrote it)
+        programs = [(f"x = {c.strip()}", t) for c, t in zip(completions, tests)]
+        distinct = list(dict.fromkeys(programs))
+        verdicts = code([None] * len(distinct), [p for p, _ in distinct], tests=[t for _, t in distinct])
+        scores = [dict(zip(distinct, verdicts))[p] for p in programs]
+        ran.append((len(distinct), len(programs)))
         if not checked:  # the first rollout: the sandboxed verdict against the plain check, on digit-only replies
             checked.append([(s, float(c.strip() == a)) for s, c, a in zip(scores, completions, answer)
                             if c.strip().isdigit()])
@@ -161,7 +169,8 @@ def test_lora_grpo_learns_from_code_run_in_the_sandbox(tmp_path, sft_addition):
     curve = [round(m["reward/mean"], 3) for m in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))]
     early, late = np.mean(curve[:12]), np.mean(curve[-12:])
     print(f"code reward: greedy held-out accuracy {before:.3f} -> {after:.3f}; sampled reward {early:.3f} -> "
-          f"{late:.3f}; by step {curve}")
+          f"{late:.3f}; by step {curve}; {sum(d for d, _ in ran)} distinct sandboxed programs of "
+          f"{sum(n for _, n in ran)} samples")
     verdicts = checked[0]
     assert len(verdicts) >= 32 and {e for _, e in verdicts} == {0.0, 1.0}, verdicts  # right and wrong replies
     assert all(s == e for s, e in verdicts), verdicts
