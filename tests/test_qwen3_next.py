@@ -47,7 +47,7 @@ def test_fused_projections_split_and_join_back_exactly():
     """The on-disk qkvz / ba layout <-> Qwen3.5's separate projections: value head h (of r = 3 per key head) gets
     rows from key-head group h // 3, and join(split(w)) = w."""
     from posttrain.models.config import ModelConfig
-    from posttrain.models.qwen3_5 import fused_names
+    from posttrain.models.families.qwen3_5 import fused_names
 
     cfg = ModelConfig(family="qwen3_next", vocab_size=V, embed_dim=5, num_layers=1, num_heads=1, num_kv_heads=1,
                       head_dim=4, mlp_dim=8, layer_types=("linear",), linear_key_heads=2, linear_value_heads=6,

@@ -19,7 +19,7 @@ Sequence classifiers (reward models): a model with a score head (`models/heads.p
 `lm_head`, `id2label` giving num_labels), which `AutoModelForSequenceClassification` loads;
 `from_pretrained(path, head="score")` reads such a folder (ours or transformers') back.
 
-Gemma 4 (`models/gemma4.py` holds its fields and extra names): `gemma4_text` folders load like any
+Gemma 4 (`models/families/gemma4.py` holds its fields and extra names): `gemma4_text` folders load like any
 other; a multimodal `gemma4` folder loads its text model only when asked (`text_only=True`), since
 its vision and audio towers are not supported; it then exports as a `gemma4_text` folder.
 
@@ -43,19 +43,18 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from posttrain.errors import PosttrainError
-from posttrain.models import gemma4, qwen3_5
 from posttrain.models.config import ModelConfig
+from posttrain.models.families import family_of_multimodal
 
 # config_from_hf and config_to_hf are re-exported: `from posttrain.models.hf import config_from_hf` keeps working
 from posttrain.models.hf_config import (  # noqa: F401
-    CLS_ARCH,
-    SUPPORTED,
+    classifier_class,
     config_from_hf,
     config_to_hf,
     read_hf_config,
-    text_type,
+    supported,
 )
-from posttrain.models.hf_names import weight_map
+from posttrain.models.hf_names import fused_names, weight_map
 from posttrain.models.layers import Buffer
 from posttrain.models.transformer import Transformer
 
@@ -156,20 +155,20 @@ def _read_config(path: str, text_only: bool) -> tuple[ModelConfig, str]:
     except ValueError as e:
         raise PosttrainError(f"{cfg_file}: invalid JSON ({e})") from None
     mt = raw.get("model_type")
-    multimodal = mt == gemma4.MULTIMODAL
+    multimodal = family_of_multimodal(mt)
     if multimodal and not text_only:
-        raise gemma4.multimodal_error(cfg_file, raw)
-    if mt not in SUPPORTED and not multimodal:
+        raise multimodal.multimodal_error(cfg_file, raw)
+    if mt not in supported() and not multimodal:
         raise PosttrainError(
             f"{cfg_file}: model_type {mt!r} (architectures {raw.get('architectures')}) is not "
-            f"supported; posttrain loads {', '.join(SUPPORTED)}")
+            f"supported; posttrain loads {', '.join(supported())}")
     # config.json read as transformers' config classes read it, without importing transformers (and torch)
     hf, tied = read_hf_config(raw, cfg_file)
     if not multimodal:
         return config_from_hf(hf, cfg_file), "model."
     # The text model's lm_head is tied (or not) by the outer config, as in Gemma4ForConditionalGeneration.
     cfg = config_from_hf(hf, f"{cfg_file} text_config")
-    return cfg.replace(tie_embeddings=tied), gemma4.TEXT_PREFIX
+    return cfg.replace(tie_embeddings=tied), multimodal.text_prefix
 
 
 def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype: Optional[str] = None,
@@ -208,7 +207,7 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     checked: set = set()
     handles: dict = {}
     wmap = weight_map(cfg, head, prefix)
-    fused_map = qwen3_5.fused_names(cfg, prefix)  # Qwen3-Next: names held inside one fused tensor on disk
+    fused_map = fused_names(cfg, prefix)  # Qwen3-Next: names held inside one fused tensor on disk
     fused = {part: (key, j) for key, (parts, _, _) in fused_map.items() for j, part in enumerate(parts)}
     flat = dict(nnx.to_flat_state(state))
 
@@ -289,18 +288,18 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
     head = "score" if ("score",) in flat else None
     if head == "score":
         labels = range(flat[("score",)].shape[-1])
-        mt = text_type(cfg.family)
-        if mt not in CLS_ARCH:
+        cls = classifier_class(cfg.family)
+        if cls is None:
             raise PosttrainError(f"cannot export a {cfg.family} model with a score head: transformers has no "
                                  f"{cfg.family} sequence classifier")
-        config_extra = {"architectures": [CLS_ARCH[mt]], "id2label": {str(i): f"LABEL_{i}" for i in labels},
+        config_extra = {"architectures": [cls], "id2label": {str(i): f"LABEL_{i}" for i in labels},
                         "label2id": {f"LABEL_{i}": i for i in labels}, **config_extra}
     tensors: dict[str, np.ndarray] = {}
     for key, (names, _, save, *_alt) in weight_map(cfg, head).items():
         arr = np.asarray(jax.device_get(flat[key][...])).astype(out_dtype)
         for n, a in zip(names, save(arr)):
             tensors[n] = np.ascontiguousarray(a)
-    for key, (parts, _, join) in qwen3_5.fused_names(cfg).items():  # Qwen3-Next's fused tensors
+    for key, (parts, _, join) in fused_names(cfg).items():  # Qwen3-Next's fused tensors
         tensors[key] = np.ascontiguousarray(join(*(tensors.pop(p) for p in parts)))
     path = os.path.abspath(path)
     parent = os.path.dirname(path)

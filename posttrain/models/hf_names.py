@@ -1,7 +1,7 @@
 """Hugging Face tensor names <-> posttrain parameter paths (`weight_map`), for every family: what
 `models/hf.py` reads and writes and `models/gguf.py` exports. Fused posttrain layouts (qkv, gate/up, experts)
-are split back into HF names on the way out. A family module adds its own names (`gemma4.weight_names`,
-`qwen3_5.weight_names`; Qwen3-Next's fused on-disk tensors: `qwen3_5.fused_names`)."""
+are split back into HF names on the way out. A family adds or replaces names through its Family record
+(`models/family.py`: `weight_names`, `expert_names`; Qwen3-Next's fused on-disk tensors: `fused_names`)."""
 
 from __future__ import annotations
 
@@ -9,55 +9,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from posttrain.models import gemma4, qwen3_5
 from posttrain.models.config import ModelConfig
+from posttrain.models.families import family_named
+from posttrain.models.family import routed_expert_names
 
 # ----------------------------------------------------------------------------- weight names
 # Each entry: posttrain path -> (HF keys, hf arrays -> posttrain array, posttrain array -> hf arrays[, alternative
 # (HF keys, loader) read when the first key is missing: transformers' fused in-memory expert layout)].
-
-
-def _expert_map(m: dict, cfg: ModelConfig, i: int, p: str) -> None:
-    """Layer i's router and experts. On disk (what transformers 5.12 `save_pretrained` writes) every expert
-    is its own Linear: qwen3_moe `mlp.experts.<e>.{gate,up,down}_proj`, mixtral
-    `block_sparse_moe.experts.<e>.{w1,w3,w2}` (gate, up, down); in memory transformers fuses them into
-    [E, 2F, D] `experts.gate_up_proj` and [E, D, F] `experts.down_proj`, which are read too."""
-    E, D, F = cfg.num_experts, cfg.embed_dim, cfg.expert_mlp_dim
-    if cfg.family == "gpt_oss":
-        return _gpt_oss_expert_map(m, cfg, i, p)
-    mix = cfg.family == "mixtral"
-    b = p + ("block_sparse_moe." if mix else "mlp.")
-    gate, up, down = ("w1", "w3", "w2") if mix else ("gate_proj", "up_proj", "down_proj")
-    ex = [b + f"experts.{e}." for e in range(E)]
-    fused = p + "mlp.experts."
-    m[("layers", i, "mlp", "router")] = ([b + "gate.weight"], lambda w: w.T, lambda w: [w.T],
-                                         ([p + "mlp.gate.weight"], lambda w: w.T))
-    m[("layers", i, "mlp", "expert_gate_up")] = (
-        [e + f"{gate}.weight" for e in ex] + [e + f"{up}.weight" for e in ex],
-        lambda *a: np.stack([np.stack([g.T, u.T], axis=1) for g, u in zip(a[:E], a[E:])]),
-        lambda w: [w[e, :, 0].T for e in range(E)] + [w[e, :, 1].T for e in range(E)],
-        ([fused + "gate_up_proj"], lambda w: w.reshape(E, 2, F, D).transpose(0, 3, 1, 2)))
-    m[("layers", i, "mlp", "expert_down")] = (
-        [e + f"{down}.weight" for e in ex], lambda *a: np.stack([w.T for w in a]),
-        lambda w: [w[e].T for e in range(E)],
-        ([fused + "down_proj"], lambda w: w.transpose(0, 2, 1)))
-
-
-def _gpt_oss_expert_map(m: dict, cfg: ModelConfig, i: int, p: str) -> None:
-    """GPT-OSS on disk: `mlp.router.{weight [E, D], bias [E]}`, `mlp.experts.gate_up_proj` [E, D, 2F] with gate
-    and up interleaved (gate the even columns), `gate_up_proj_bias` [E, 2F], `down_proj` [E, F, D],
-    `down_proj_bias` [E, D]."""
-    E, D, F = cfg.num_experts, cfg.embed_dim, cfg.expert_mlp_dim
-    b, L = p + "mlp.", ("layers", i, "mlp")
-    m[L + ("router",)] = ([b + "router.weight"], lambda w: w.T, lambda w: [w.T])
-    m[L + ("router_bias",)] = ([b + "router.bias"], lambda w: w, lambda w: [w])
-    m[L + ("expert_gate_up",)] = ([b + "experts.gate_up_proj"], lambda w: w.reshape(E, D, F, 2).transpose(0, 1, 3, 2),
-                                  lambda w: [w.transpose(0, 1, 3, 2).reshape(E, D, 2 * F)])
-    m[L + ("expert_gate_up_bias",)] = ([b + "experts.gate_up_proj_bias"],
-                                       lambda w: w.reshape(E, F, 2).transpose(0, 2, 1),
-                                       lambda w: [w.transpose(0, 2, 1).reshape(E, 2 * F)])
-    m[L + ("expert_down",)] = ([b + "experts.down_proj"], lambda w: w, lambda w: [w])
-    m[L + ("expert_down_bias",)] = ([b + "experts.down_proj_bias"], lambda w: w, lambda w: [w])
 
 
 def _attn_map(m: dict, cfg: ModelConfig, i: int, a: str) -> None:
@@ -96,6 +54,7 @@ def weight_map(cfg: ModelConfig, head: Optional[str] = None,
                prefix: str = "model.") -> dict[tuple, tuple[list[str], Callable, Callable]]:
     """head=None: the causal LM (lm_head unless tied); "score": a sequence classifier (score, no lm_head).
     prefix: where the backbone's weights live (a multimodal Gemma 4 folder: `model.language_model.`)."""
+    fam = family_named(cfg.family)
     gemma_sandwich = cfg.sandwich_norm
     ident = (lambda a: a, lambda a: [a])
     m: dict = {("embed",): ([prefix + "embed_tokens.weight"], *ident),
@@ -114,7 +73,7 @@ def weight_map(cfg: ModelConfig, head: Optional[str] = None,
             if cfg.kv_source(i) is None:  # a KV-shared layer has no k
                 m[("layers", i, "attn", "k_norm", "scale")] = ([a + "k_norm.weight"], *ident)
         if cfg.is_moe_layer(i) and not cfg.moe_beside_mlp:
-            _expert_map(m, cfg, i, p)
+            (fam.expert_names if fam and fam.expert_names else routed_expert_names)(m, cfg, i, p)
         else:
             m[("layers", i, "mlp", "gate_up")] = (
                 [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"],
@@ -127,6 +86,12 @@ def weight_map(cfg: ModelConfig, head: Optional[str] = None,
             m[("layers", i, "post_mlp_norm", "scale")] = ([p + "post_feedforward_layernorm.weight"], *ident)
         else:
             m[("layers", i, "mlp_norm", "scale")] = ([p + "post_attention_layernorm.weight"], *ident)
-    gemma4.weight_names(m, cfg, prefix)
-    qwen3_5.weight_names(m, cfg, prefix)
+    if fam is not None:
+        fam.weight_names(m, cfg, prefix)
     return m
+
+
+def fused_names(cfg: ModelConfig, prefix: str = "model.") -> dict:
+    """HF key on disk -> ([the HF keys of weight_map it holds], split, join): a family's fused tensors."""
+    fam = family_named(cfg.family)
+    return fam.fused_names(cfg, prefix) if fam is not None else {}

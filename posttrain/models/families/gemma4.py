@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig
+from posttrain.models.families.gemma import GEMMA_FIELDS, gelu_to_hf
+from posttrain.models.family import Family, register_family, sliding_layer_types
 
 MULTIMODAL = "gemma4"  # model_type of the multimodal folder; its text model is `text_config`
 TEXT_PREFIX = "model.language_model."  # where that folder keeps the text model's weights
@@ -38,7 +40,7 @@ def multimodal_error(cfg_file: str, raw: dict) -> PosttrainError:
 
 
 def config_fields(hf, where: str) -> dict:
-    """The Gemma 4 ModelConfig fields of a transformers Gemma4TextConfig (the rest are hf.py's common ones)."""
+    """The Gemma 4 ModelConfig fields of a transformers Gemma4TextConfig (the rest are hf_config's common ones)."""
     if getattr(hf, "use_bidirectional_attention", None) == "all":
         raise PosttrainError(f"{where}: use_bidirectional_attention = 'all' is not supported (posttrain models are "
                              "causal); set it to null")
@@ -66,8 +68,8 @@ GEMMA4_ONLY = ("moe_beside_mlp", "global_head_dim", "global_kv_heads", "k_eq_v",
                "double_wide_mlp", "per_layer_dim", "per_layer_vocab", "layer_scalar")
 
 
-def config_to_hf(cfg: ModelConfig) -> dict:
-    """The Gemma 4 fields of a gemma4_text config.json (hf.py writes the common ones)."""
+def config_to_hf(cfg: ModelConfig, d: dict) -> None:
+    """The Gemma 4 fields of a gemma4_text config.json, into d (hf_config writes the common ones)."""
     fixed = {**_FIXED, **(_FIXED_MOE if cfg.num_experts else {})}
     bad = {k: v for k, v in fixed.items() if getattr(cfg, k) != v}
     if bad:
@@ -77,7 +79,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         raise PosttrainError("cannot export as gemma4_text: global_kv_heads needs k_eq_v (transformers reads "
                              "num_global_key_value_heads only with attention_k_eq_v)")
     moe = cfg.num_experts > 0
-    return dict(final_logit_softcapping=cfg.final_softcap, global_head_dim=cfg.global_head_dim or cfg.head_dim,
+    gelu_to_hf(d)
+    d.update(final_logit_softcapping=cfg.final_softcap, global_head_dim=cfg.global_head_dim or cfg.head_dim,
                 num_global_key_value_heads=(cfg.global_kv_heads or cfg.num_kv_heads) if cfg.k_eq_v else None,
                 attention_k_eq_v=cfg.k_eq_v,
                 num_kv_shared_layers=cfg.kv_shared_layers, use_double_wide_mlp=cfg.double_wide_mlp,
@@ -118,3 +121,32 @@ def weight_names(m: dict, cfg: ModelConfig, prefix: str) -> None:
             for ours, theirs in (("moe_norm", "pre_feedforward_layernorm_2"), ("post_dense_norm",
                                  "post_feedforward_layernorm_1"), ("post_moe_norm", "post_feedforward_layernorm_2")):
                 m[L + (ours, "scale")] = ([p + theirs + ".weight"], *ident)
+
+
+def post_init(d: dict) -> None:
+    """Gemma4TextConfig.__post_init__: bidirectional windows, five sliding layers of six with the last one full,
+    proportional RoPE on the full layers by default."""
+    if d.get("use_bidirectional_attention") == "all":
+        d["sliding_window"] = d["sliding_window"] // 2 + 1
+    if d.get("layer_types") is None:
+        d["layer_types"] = sliding_layer_types(d["num_hidden_layers"], 6)
+    if d["layer_types"] and d["layer_types"][-1] != "full_attention":
+        d["layer_types"] = list(d["layer_types"][:-1]) + ["full_attention"]
+    if d.get("rope_parameters") is None:
+        d["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+
+
+GEMMA4 = register_family(Family(
+    name="gemma4", model_type="gemma4_text", architecture="Gemma4ForCausalLM",
+    defaults=dict(vocab_size=262144, hidden_size=2304, intermediate_size=9216, num_hidden_layers=30,
+                  num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_activation="gelu_pytorch_tanh",
+                  max_position_embeddings=131072, tie_word_embeddings=True, sliding_window=512,
+                  final_logit_softcapping=None, use_bidirectional_attention=None, vocab_size_per_layer_input=262144,
+                  hidden_size_per_layer_input=256, num_global_key_value_heads=None, global_head_dim=512,
+                  attention_k_eq_v=False, num_kv_shared_layers=0, enable_moe_block=False,
+                  use_double_wide_mlp=False, num_experts=None, top_k_experts=None, moe_intermediate_size=None),
+    post_init=post_init, fields=dict(GEMMA_FIELDS, qk_norm=True), config_fields=config_fields,
+    config_to_hf=config_to_hf, rope_by_layer_type=True, layer_types_always=True, moe=True, owns=GEMMA4_ONLY,
+    weight_names=weight_names, multimodal=MULTIMODAL, text_prefix=TEXT_PREFIX, multimodal_error=multimodal_error))

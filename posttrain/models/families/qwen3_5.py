@@ -32,6 +32,7 @@ import numpy as np
 from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig
 from posttrain.models.deltanet import grouped_channels
+from posttrain.models.family import Family, no_router_jitter, register_family, rope_from_hf
 
 MODEL_TYPE = "qwen3_5_text"
 MOE_TYPE = "qwen3_5_moe_text"
@@ -74,7 +75,18 @@ def post_init(d: dict) -> None:
 
 
 def config_fields(hf, where: str) -> dict:
-    """The Qwen3.5 ModelConfig fields of a transformers Qwen3_5TextConfig (the rest are hf_config's common ones)."""
+    """The Qwen3.5 ModelConfig fields of a transformers Qwen3_5TextConfig (the rest are hf_config's common ones):
+    RoPE on the partial_rotary_factor share of each head, the hybrid layers; the experts of the MoE types."""
+    rp = getattr(hf, "rope_parameters", None) or {}
+    kw = dict(rope=rope_from_hf(rp, partial=float(rp.get("partial_rotary_factor", 1.0))))
+    kw.update(_layer_fields(hf, where))
+    if hf.model_type in (MOE_TYPE, NEXT_TYPE):
+        no_router_jitter(hf, where)
+        kw.update(moe_fields(hf, where))
+    return kw
+
+
+def _layer_fields(hf, where: str) -> dict:
     if getattr(hf, "attention_dropout", 0.0):
         raise PosttrainError(f"{where}: attention_dropout = {hf.attention_dropout} is not supported; set it to 0")
     bad = sorted(set(hf.layer_types) - {"linear_attention", "full_attention"})
@@ -125,7 +137,10 @@ def moe_to_hf(cfg: ModelConfig, model_type: str = MOE_TYPE) -> dict:
 
 
 def config_to_hf(cfg: ModelConfig, d: dict) -> None:
-    """The Qwen3.5 fields of an exported config.json (into d)."""
+    """The Qwen3.5 fields of an exported config.json (into d); the experts of the MoE types."""
+    mt = d["model_type"]
+    if mt in (MOE_TYPE, NEXT_TYPE):
+        d.update(moe_to_hf(cfg, mt))
     if cfg.shared_expert_dim and cfg.family == "qwen3_5_moe":  # Qwen3.5-MoE has no dense MLP
         d.pop("intermediate_size", None)
     d.update(linear_num_key_heads=cfg.linear_key_heads, linear_num_value_heads=cfg.linear_value_heads,
@@ -205,3 +220,13 @@ def weight_names(m: dict, cfg: ModelConfig, prefix: str) -> None:
                                          lambda g, u: np.stack([g.T, u.T], axis=1), lambda w: [w[:, 0].T, w[:, 1].T])
         m[L + ("shared", "down")] = ([p + "shared_expert.down_proj.weight"], lambda w: w.T, lambda w: [w.T])
         m[L + ("shared_gate",)] = ([p + "shared_expert_gate.weight"], lambda w: w.T, lambda w: [w.T])
+
+
+_COMMON = dict(post_init=post_init, config_fields=config_fields, config_to_hf=config_to_hf,
+               weight_names=weight_names)
+QWEN3_5 = register_family(Family(name="qwen3_5", model_type=MODEL_TYPE, architecture="Qwen3_5ForCausalLM",
+                                 defaults=DEFAULTS, **_COMMON))
+QWEN3_5_MOE = register_family(Family(name="qwen3_5_moe", model_type=MOE_TYPE, architecture="Qwen3_5MoeForCausalLM",
+                                     defaults=MOE_DEFAULTS, moe=True, **_COMMON))
+QWEN3_NEXT = register_family(Family(name="qwen3_next", model_type=NEXT_TYPE, architecture="Qwen3NextForCausalLM",
+                                    defaults=NEXT_DEFAULTS, moe=True, fused_names=fused_names, **_COMMON))
