@@ -232,10 +232,34 @@ def test_export_refuses_other_families(tmp_path):
     from posttrain.models import ModelConfig
     from posttrain.models.gguf import export_gguf
 
-    cfg = ModelConfig(family="gemma2", vocab_size=8, embed_dim=8, num_layers=1, num_heads=1, num_kv_heads=1,
+    cfg = ModelConfig(family="gemma4", vocab_size=8, embed_dim=8, num_layers=1, num_heads=1, num_kv_heads=1,
                       head_dim=8, mlp_dim=8)
-    with pytest.raises(PosttrainError, match="family 'gemma2' is not supported"):
+    with pytest.raises(PosttrainError, match="family 'gemma4' is not supported"):
         export_gguf(types.SimpleNamespace(cfg=cfg), None, str(tmp_path / "x.gguf"))
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("change,why", [
+    (dict(query_scale=24 ** -0.5), "query_scale 0.204124 .llama.cpp's is head_dim"),
+    (dict(layer_types=("sliding",) * 3 + ("full",)), "layer types other than llama.cpp's fixed pattern"),
+    (dict(attn_softcap=None), "no attn_softcap"),
+    (dict(activation="silu"), "activation silu"),
+])
+def test_export_refuses_what_llama_cpp_reads_otherwise(change, why, tmp_path):
+    """A Gemma 2 that llama.cpp would run differently (it scales queries by head_dim^-1/2, slides every other layer,
+    always soft-caps) is refused by name; the Gemma 2 of transformers' defaults passes these checks."""
+    from posttrain.errors import PosttrainError
+    from posttrain.models import ModelConfig
+    from posttrain.models.gguf import export_gguf
+
+    cfg = ModelConfig(family="gemma2", vocab_size=8, embed_dim=8, num_layers=4, num_heads=1, num_kv_heads=1,
+                      head_dim=16, mlp_dim=8, norm_unit_offset=True, embed_scale=True, sandwich_norm=True,
+                      activation="gelu_tanh", query_scale=16 ** -0.5, attn_softcap=50.0, final_softcap=30.0,
+                      sliding_window=4, layer_types=("sliding", "full") * 2)
+    with pytest.raises(PosttrainError, match="no tokenizer"):  # every check passed: the tokenizer is next
+        export_gguf(types.SimpleNamespace(cfg=cfg), None, str(tmp_path / "x.gguf"))
+    with pytest.raises(PosttrainError, match=why):
+        export_gguf(types.SimpleNamespace(cfg=cfg.replace(**change)), None, str(tmp_path / "x.gguf"))
     assert not list(tmp_path.iterdir())
 
 

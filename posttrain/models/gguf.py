@@ -12,10 +12,16 @@ converters (`transformers.integrations.ggml`, which imports no torch), so token 
 are added come from the GGUF's own fields (transformers 5.12 reads eos as the bos token). A GGUF without
 `output.weight` ties the output head to the embeddings. Llama-architecture files (Llama, Mistral, SmolLM, ...),
 qwen2 and qwen3 (its q/k norms as attn_q_norm / attn_k_norm); `rope_freqs.weight` (Llama 3.1+ rope scaling)
-becomes rope_parameters of type llama3.
+becomes rope_parameters of type llama3. gemma, gemma2 and gemma3 files as llama.cpp's Gemma converters write them:
+every norm stored as 1 + w, the embedding scaling and GELU-tanh implied by the architecture, Gemma 2 / 3's sandwich
+norms as post_attention_norm / ffn_norm / post_ffw_norm, Gemma 2's soft-caps as `*.attn_logit_softcapping` /
+`*.final_logit_softcapping`, the window as `*.attention.sliding_window` over llama.cpp's fixed layer patterns
+(Gemma 2 every 2nd layer full, Gemma 3 every 6th, its sliding layers at RoPE base 10 000) and queries scaled by
+head_dim^-1/2 (`attention.key_length`).
 
 `export_gguf(model, tokenizer, path, gguf_type)` (`posttrain export --run R|--model DIR --gguf OUT.gguf`) is the
-reverse, written with `gguf.GGUFWriter`: llama.cpp's names, the q/k permutation, hyper-parameters, rope scaling
+reverse for the families of EXPORT_FAMILIES, written with `gguf.GGUFWriter`: llama.cpp's names, the q/k permutation
+(llama), the Gemma conventions above, hyper-parameters, rope scaling
 (llama3 as `rope_freqs.weight`, linear as metadata), a byte-level BPE tokenizer as `tokenizer.ggml.model = gpt2`
 (tokens, token types, merges, special ids, add_bos/add_eos, chat template); weights as f32, f16, bf16 or q8_0
 (norms and other 1-D tensors stay f32, as llama.cpp keeps them). Both directions write to a temporary sibling
@@ -41,8 +47,11 @@ import numpy as np
 from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig, RopeConfig
 
-ARCHS = ("llama", "qwen2", "qwen3")  # GGUF general.architecture values convert reads
-EXPORT_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # family -> GGUF arch
+ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")  # GGUF general.architecture values convert reads
+# family -> GGUF arch (llama.cpp writes Mistral as llama)
+EXPORT_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
+                   "gemma2": "gemma2", "gemma3": "gemma3"}
+GEMMA = ("gemma", "gemma2", "gemma3")  # llama.cpp stores their norms as 1 + w and scales the embeddings itself
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
 # llama.cpp tensor names <-> transformers' (per layer: "blk.{i}." <-> "model.layers.{i}.").
@@ -55,8 +64,33 @@ _LAYER = {"attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post
           "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
           "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
           "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
-_LAYER_BACK = {v: k for k, v in _LAYER.items()}
+# Gemma 2 / 3's sandwich norms (gguf-py: ATTN_POST_NORM, FFN_PRE_NORM = ffn_norm, FFN_POST_NORM)
+_SANDWICH = {"ffn_norm.weight": "pre_feedforward_layernorm.weight",
+             "post_attention_norm.weight": "post_attention_layernorm.weight",
+             "post_ffw_norm.weight": "post_feedforward_layernorm.weight"}
 _GLOBAL_BACK = {v: k for k, v in _GLOBAL.items()}
+
+# ModelConfig fields, beyond a plain Llama's, that each GGUF architecture expresses; and those it must have
+_FIELDS = ("sliding_window", "num_experts", "layer_types", "sandwich_norm", "attn_softcap", "final_softcap",
+           "query_scale", "embed_scale", "norm_unit_offset", "qkv_bias", "qk_norm", "rope_local")
+_GEMMA_FIELDS = ("norm_unit_offset", "embed_scale")
+_ALLOWED = {"llama": (), "qwen2": ("qkv_bias",), "qwen3": ("qk_norm",), "gemma": _GEMMA_FIELDS,
+            "gemma2": _GEMMA_FIELDS + ("sandwich_norm", "attn_softcap", "final_softcap", "query_scale",
+                                       "sliding_window", "layer_types"),
+            "gemma3": _GEMMA_FIELDS + ("sandwich_norm", "qk_norm", "query_scale", "sliding_window", "layer_types",
+                                       "rope_local")}
+_REQUIRED = {"qwen3": ("qk_norm",), "gemma": _GEMMA_FIELDS,
+             "gemma2": _GEMMA_FIELDS + ("sandwich_norm", "attn_softcap", "final_softcap"),
+             "gemma3": _GEMMA_FIELDS + ("sandwich_norm", "qk_norm")}
+# llama.cpp's fixed sliding patterns (llama-model.cpp set_swa_pattern): Gemma 2 every 2nd layer full, Gemma 3 every
+# 6th; Gemma 3's sliding layers rotate with base 10 000 (rope_freq_base_train_swa)
+_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA3_LOCAL_THETA = 10_000.0
+
+
+def _layer_names(arch: str) -> dict:
+    """llama.cpp's per-layer tensor names -> transformers' (after "blk.{i}." / "model.layers.{i}.")."""
+    return {**_LAYER, **_SANDWICH} if arch in ("gemma2", "gemma3") else _LAYER
 
 
 def _permute(w: np.ndarray, n_head: int, reverse: bool) -> np.ndarray:
@@ -198,6 +232,22 @@ def _config(r, path: str, arch: str, tensors: dict) -> ModelConfig:
     elif scaling not in (None, "none"):
         raise PosttrainError(f"{path}: GGUF field {p}rope.scaling.type = {scaling!r} is not supported (none, "
                              "linear and Llama 3's rope_freqs are)")
+    kw = {}
+    if arch in GEMMA:  # llama.cpp's query scale is head_dim^-1/2 (but for the 27B models), GELU-tanh MLPs
+        kw.update(norm_unit_offset=True, embed_scale=True, activation="gelu_tanh")
+    if arch in ("gemma2", "gemma3"):
+        kw.update(sandwich_norm=True, query_scale=head_dim ** -0.5)
+        window = _field(r, p + "attention.sliding_window", path)
+        n = int(_field(r, p + "block_count", path, required=True))
+        if window:
+            every = _SWA_PATTERN[arch]
+            kw.update(sliding_window=int(window),
+                      layer_types=tuple("sliding" if (i + 1) % every else "full" for i in range(n)))
+    if arch == "gemma2":
+        kw.update(attn_softcap=float(_field(r, p + "attn_logit_softcapping", path, 50.0)),
+                  final_softcap=float(_field(r, p + "final_logit_softcapping", path, 30.0)))
+    if arch == "gemma3":
+        kw.update(qk_norm=True, rope_local=RopeConfig(theta=GEMMA3_LOCAL_THETA))
     return ModelConfig(
         family=arch, vocab_size=tensors["token_embd.weight"].shape[0], embed_dim=embed,
         num_layers=int(_field(r, p + "block_count", path, required=True)),
@@ -205,7 +255,8 @@ def _config(r, path: str, arch: str, tensors: dict) -> ModelConfig:
         mlp_dim=int(_field(r, p + "feed_forward_length", path, required=True)),
         max_position=int(_field(r, p + "context_length", path, 8192)),
         norm_eps=float(_field(r, p + "attention.layer_norm_rms_epsilon", path, 1e-5)),
-        tie_embeddings="output.weight" not in tensors, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", rope=rope)
+        tie_embeddings="output.weight" not in tensors, qkv_bias=arch == "qwen2", rope=rope,
+        **{"qk_norm": arch == "qwen3", **kw})
 
 
 def _tokenizer_dict(r, path: str) -> dict:
@@ -235,7 +286,10 @@ def _tokenizer_files(r, path: str, arch: str, tmp: str) -> dict:
 
     d = _tokenizer_dict(r, path)
     tokens = d["tokens"]
-    raw = GGUF_TO_FAST_CONVERTERS[arch](dict(d)).converted()
+    conv = arch
+    if arch in GEMMA:  # a byte-level BPE through the Llama converter (it reads both kinds), SentencePiece as Gemma's
+        conv = "llama" if d["tokenizer_type"] == "gpt2" else "gemma2"
+    raw = GGUF_TO_FAST_CONVERTERS[conv](dict(d)).converted()
 
     def tok(key):
         i = d.get(key)
@@ -303,20 +357,23 @@ def convert(gguf_file: str, out: str) -> str:
         if need not in src:
             raise PosttrainError(f"{gguf_file}: tensor {need!r} is missing; the GGUF is incomplete")
     cfg = _config(r, gguf_file, arch, src)
+    layer_names = _layer_names(arch)
     tensors = {}
     for name, w in src.items():
+        if arch in GEMMA and name.endswith("norm.weight"):
+            w = w - np.float32(1.0)  # llama.cpp stores Gemma's norms as 1 + w
         if name in _GLOBAL:
             tensors[_GLOBAL[name]] = w
             continue
         if name == "rope_freqs.weight":
             continue  # became rope_parameters
         parts = name.split(".", 2)
-        if parts[0] != "blk" or parts[2] not in _LAYER:
+        if parts[0] != "blk" or parts[2] not in layer_names:
             raise PosttrainError(f"{gguf_file}: tensor {name!r} has no transformers name for architecture {arch!r}; "
                                  "the file holds a model variant posttrain does not convert")
         if arch == "llama" and parts[2].startswith(("attn_q.", "attn_k.")):
             w = _permute(w, cfg.num_heads if parts[2].startswith("attn_q.") else cfg.num_kv_heads, reverse=True)
-        tensors[f"model.layers.{parts[1]}.{_LAYER[parts[2]]}"] = np.ascontiguousarray(w)
+        tensors[f"model.layers.{parts[1]}.{layer_names[parts[2]]}"] = np.ascontiguousarray(w)
     parent = os.path.dirname(os.path.abspath(out)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".posttrain-convert-", dir=parent)
@@ -398,8 +455,32 @@ def _unk_id(tokenizer):
     return spec("unk_token")[1] if spec is not None else tokenizer.hf.unk_token_id
 
 
+def _inexpressible(cfg: ModelConfig, arch: str) -> list[str]:
+    """What of `cfg` the GGUF architecture `arch` cannot express (as llama.cpp reads it); [] when it can."""
+    odd = [k for k in _FIELDS if getattr(cfg, k) and k not in _ALLOWED[arch]]
+    odd += [f"no {k}" for k in _REQUIRED.get(arch, ()) if not getattr(cfg, k)]
+    act = "gelu_tanh" if arch in GEMMA else "silu"
+    if cfg.activation != act:
+        odd.append(f"activation {cfg.activation} (the architecture's is {act})")
+    if cfg.query_scale is not None and "query_scale" in _ALLOWED[arch] \
+            and not math.isclose(cfg.query_scale, cfg.head_dim ** -0.5, rel_tol=1e-6):
+        odd.append(f"query_scale {cfg.query_scale:.6g} (llama.cpp's is head_dim^-1/2 = {cfg.head_dim ** -0.5:.6g})")
+    every = _SWA_PATTERN.get(arch)
+    if every and cfg.sliding_window:
+        want = tuple("sliding" if (i + 1) % every else "full" for i in range(cfg.num_layers))
+        if tuple(cfg.layer_type(i) for i in range(cfg.num_layers)) != want:
+            odd.append(f"layer types other than llama.cpp's fixed pattern (every {every}th layer full)")
+    if arch == "gemma2" and not cfg.sliding_window:
+        odd.append("no sliding_window (llama.cpp's gemma2 slides every other layer)")
+    local = cfg.rope_local
+    if arch == "gemma3" and local is not None and (local.kind != "default" or local.theta != GEMMA3_LOCAL_THETA):
+        odd.append(f"sliding-layer RoPE {local.kind} base {local.theta:g} (llama.cpp's is default base 10000)")
+    return odd
+
+
 def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str = "posttrain") -> str:
-    """Write `model` (a llama / mistral / qwen2 / qwen3 Transformer) and its tokenizer as one GGUF file at `path`."""
+    """Write `model` (a llama / mistral / qwen2 / qwen3 / gemma / gemma2 / gemma3 Transformer) and its tokenizer as
+    one GGUF file at `path`."""
     import gguf
     from gguf.quants import quantize
 
@@ -408,19 +489,17 @@ def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str =
     if arch is None:
         raise PosttrainError(f"GGUF export: family {cfg.family!r} is not supported; posttrain writes GGUF for "
                              f"{', '.join(EXPORT_FAMILIES)} models (export a Hugging Face folder with --out instead)")
-    odd = [k for k in ("sliding_window", "num_experts", "layer_types", "sandwich_norm", "attn_softcap",
-                       "final_softcap", "query_scale", "embed_scale", "norm_unit_offset") if getattr(cfg, k)]
-    odd += ["qkv_bias"] if cfg.qkv_bias and arch != "qwen2" else []
-    odd += ["qk_norm"] if cfg.qk_norm and arch != "qwen3" else []
-    odd += ["no qk_norm"] if arch == "qwen3" and not cfg.qk_norm else []
-    if odd or cfg.activation != "silu" or getattr(model, "score", None) is not None:
-        what = ", ".join(odd) or ("a score head" if getattr(model, "score", None) is not None else cfg.activation)
+    odd = _inexpressible(cfg, arch)
+    if odd or getattr(model, "score", None) is not None:
+        what = ", ".join(odd) or "a score head"
         raise PosttrainError(f"GGUF export: this {cfg.family} model has {what}, which the GGUF {arch} architecture "
                              "cannot express; export a Hugging Face folder with --out instead")
     if gguf_type not in GGUF_TYPES:
         raise PosttrainError(f"--gguf-type {gguf_type!r}: use one of {', '.join(GGUF_TYPES)}")
-    if cfg.rope.kind not in ("default", "linear", "llama3"):
-        raise PosttrainError(f"GGUF export: rope type {cfg.rope.kind!r} is not supported (default, linear, llama3)")
+    kinds = ("default", "linear") if arch in GEMMA else ("default", "linear", "llama3")  # rope_freqs: llama's
+    if cfg.rope.kind not in kinds:
+        raise PosttrainError(f"GGUF export: rope type {cfg.rope.kind!r} is not supported for the GGUF {arch} "
+                             f"architecture ({', '.join(kinds)})")
     if tokenizer is None:
         raise PosttrainError("GGUF export: the model has no tokenizer; a GGUF must carry its vocabulary")
     tokens, types, merges, add_bos, add_eos = _vocab(tokenizer, cfg.vocab_size, "GGUF export")
@@ -434,6 +513,7 @@ def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str =
             if fh.read(4) != b"GGUF":
                 raise PosttrainError(f"--gguf {path} is an existing file that is not GGUF; choose a new path")
     state = _hf_state(model)
+    layer_back = {v: k for k, v in _layer_names(arch).items()}
     parent = os.path.dirname(os.path.abspath(path)) or "."
     os.makedirs(parent, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".posttrain-gguf-", suffix=".gguf", dir=parent)
@@ -449,9 +529,14 @@ def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str =
         w.add_head_count(cfg.num_heads)
         w.add_head_count_kv(cfg.num_kv_heads)
         w.add_rope_dimension_count(cfg.head_dim)
-        if cfg.head_dim * cfg.num_heads != cfg.embed_dim:
+        if cfg.head_dim * cfg.num_heads != cfg.embed_dim or arch in GEMMA:  # Gemma's readers default to 256
             w.add_key_length(cfg.head_dim)
             w.add_value_length(cfg.head_dim)
+        if arch == "gemma2":
+            w.add_attn_logit_softcapping(float(cfg.attn_softcap))
+            w.add_final_logit_softcapping(float(cfg.final_softcap))
+        if cfg.sliding_window:
+            w.add_sliding_window(int(cfg.sliding_window))
         w.add_rope_freq_base(float(cfg.rope.theta))
         w.add_layer_norm_rms_eps(float(cfg.norm_eps))
         w.add_vocab_size(cfg.vocab_size)
@@ -483,9 +568,11 @@ def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str =
                 gname = _GLOBAL_BACK[hf_name]
             else:
                 _m, _l, i, rest = hf_name.split(".", 3)
-                gname = f"blk.{i}.{_LAYER_BACK[rest]}"
+                gname = f"blk.{i}.{layer_back[rest]}"
                 if arch == "llama" and rest.startswith(("self_attn.q_proj", "self_attn.k_proj")):
                     a = _permute(a, cfg.num_heads if "q_proj" in rest else cfg.num_kv_heads, reverse=False)
+            if arch in GEMMA and hf_name.endswith("norm.weight"):
+                a = a + np.float32(1.0)  # llama.cpp's Gemma converters store the norms as 1 + w
             t = wtype if a.ndim == 2 else Q.F32  # llama.cpp keeps norms and biases in f32
             if t == Q.Q8_0 and a.shape[-1] % 32:
                 t = Q.F16  # rows not a whole number of q8_0 blocks: llama.cpp's fallback
