@@ -25,7 +25,15 @@ from posttrain.losses.distill import (
     logit_distill_loss,
     pool_features,
 )
-from posttrain.losses.policy import IS_MODES, POLICY_LOSS_TYPES, policy_loss, sampler_correction, token_kl
+from posttrain.losses.policy import (
+    IS_MODES,
+    POLICY_LOSS_TYPES,
+    POLICY_LOSSES,
+    policy_loss,
+    register_policy_loss,
+    sampler_correction,
+    token_kl,
+)
 from posttrain.losses.ppo import gae, masked_whiten, token_rewards, value_loss
 from posttrain.losses.preference import (
     DPO_LOSS_TYPES,
@@ -53,7 +61,9 @@ __all__ = [
     "reinforce_pp_advantages",
     "weighted_rewards",
     "POLICY_LOSS_TYPES",
+    "POLICY_LOSSES",
     "policy_loss",
+    "register_policy_loss",
     "IS_MODES",
     "sampler_correction",
     "token_kl",

@@ -34,14 +34,13 @@ GRPOTrainer._compute_loss`, `GRPOTrainer.get_gamma_weights`; options in `trl/tra
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-# Every loss_type TRL 1.16's GRPOTrainer accepts (GRPOConfig.loss_type).
-POLICY_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-_CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # PPO-clip objective (+ optional δ cap)
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 # Sampler/trainer mismatch correction (TRL 1.16's vllm_importance_sampling_mode).
@@ -107,6 +106,133 @@ def token_kl(new_logps, ref_logps, estimator="k3"):
     if estimator == "k3":
         return jnp.exp(d) - d - 1
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {list(KL_ESTIMATORS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Terms:
+    """What every policy-loss variant reads, computed once by `policy_loss` (all [N, T] unless noted).
+
+    `new` (log π_θ, the one input with a gradient), `log_ratio` = new - old, `ratio` (ρ_t, or GSPO's s_i as
+    [N, 1]), `adv` ([N, 1] or [N, T]), `m` the mask, `lengths` [N] = Σ_t m, `n_active` = Σ m, `seq_level`,
+    `is_w` (the sampler correction's weights or None) and `opts` (policy_loss's keyword options:
+    epsilon_low, epsilon_high, delta, sapo_*, vespo_*, max_completion_length, num_tokens)."""
+
+    new: jax.Array
+    log_ratio: jax.Array
+    ratio: jax.Array
+    adv: jax.Array
+    m: jax.Array
+    lengths: jax.Array
+    n_active: jax.Array
+    seq_level: bool
+    is_w: Optional[jax.Array]
+    opts: dict
+
+    def global_mean(self, x):
+        """TRL's `global_masked_mean`: over tokens, or over samples for a per-sample [N, 1] value."""
+        x = x.astype(self.new.dtype)
+        if x.shape[1] == 1 and self.seq_level:
+            return x.sum() / max(self.new.shape[0], 1)
+        return (x * self.m).sum() / jnp.maximum(self.n_active, 1.0)
+
+    def per_sample(self, x):
+        """TRL's `masked_seq_mean`: NaN for a sample without tokens (dropped by nanmin/nanmax)."""
+        x = x.astype(self.new.dtype)
+        if x.shape[1] == 1 and self.seq_level:
+            return x[:, 0]
+        return (x * self.m).sum(-1) / self.lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLoss:
+    """A registered variant: `per_token(terms) -> (ℓ_t before the correction and the KL term, metrics_fn)`, where
+    `metrics_fn(terms)` gives its own metrics (computed last, from stop-gradient ratios); `normaliser` names the
+    aggregation in `NORMALISERS`; `corrected`: the sampler correction's weights multiply ℓ_t (vespo folds them
+    into φ instead)."""
+
+    name: str
+    per_token: Callable
+    normaliser: str
+    corrected: bool = True
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+# Σ_t m·ℓ -> the loss (TRL 1.16's normalisers for one process, one micro-batch)
+NORMALISERS: dict[str, Callable] = {
+    "sample_mean": lambda masked, t: jnp.mean(masked.sum(-1) / jnp.maximum(t.lengths, 1.0)),  # grpo, sapo
+    "batch_tokens": lambda masked, t: masked.sum() / jnp.maximum(t.n_active, 1.0),  # bnpo
+    "fixed_tokens": lambda masked, t: masked.sum() / (  # dr_grpo: N · max_completion_length (None -> T)
+        masked.shape[0] * (t.m.shape[1] if t.opts["max_completion_length"] is None
+                           else t.opts["max_completion_length"])),
+    "num_tokens": lambda masked, t: masked.sum() / jnp.maximum(  # dapo, cispo, vespo
+        t.n_active if t.opts["num_tokens"] is None else jnp.asarray(t.opts["num_tokens"], t.new.dtype), 1.0),
+    "sample_sum": lambda masked, t: jnp.mean(masked.sum(-1)),  # luspo
+}
+
+
+def register_policy_loss(*names: str, normaliser: str, corrected: bool = True):
+    """Decorator: `fn(terms) -> (per_token, metrics_fn)` becomes the policy loss `name` (each of `names`)."""
+    if normaliser not in NORMALISERS:
+        raise ValueError(f"unknown normaliser {normaliser!r}; expected one of {list(NORMALISERS)}")
+
+    def register(fn):
+        for name in names:
+            POLICY_LOSSES[name] = PolicyLoss(name, fn, normaliser, corrected)
+        return fn
+
+    return register
+
+
+def _clip_metrics(ratio, t: Terms) -> dict:
+    eps_low, eps_high = t.opts["epsilon_low"], t.opts["epsilon_high"]
+    low = (ratio < 1 - eps_low) & (t.adv < 0)
+    high = (ratio > 1 + eps_high) & (t.adv > 0)
+    return {"clip_low_mean": t.global_mean(low), "clip_high_mean": t.global_mean(high),
+            "clip_region_mean": t.global_mean(low | high), "clip_low_min": jnp.nanmin(t.per_sample(low)),
+            "clip_high_max": jnp.nanmax(t.per_sample(high))}
+
+
+@register_policy_loss("grpo", normaliser="sample_mean")
+@register_policy_loss("bnpo", normaliser="batch_tokens")
+@register_policy_loss("dr_grpo", normaliser="fixed_tokens")
+@register_policy_loss("dapo", normaliser="num_tokens")
+@register_policy_loss("luspo", normaliser="sample_sum")
+def _ppo_clip(t: Terms):
+    """PPO clip: -min(ρ̃·A, clip(ρ, 1 - ε_l, 1 + ε_h)·A), ρ̃ = min(ρ, δ) with `delta` (INTELLECT-2)."""
+    coef_1, adv = t.ratio, t.adv
+    coef_2 = jnp.clip(coef_1, 1 - t.opts["epsilon_low"], 1 + t.opts["epsilon_high"])
+    if t.opts["delta"] is not None:
+        coef_1 = jnp.minimum(coef_1, t.opts["delta"])  # two-sided clip; the clip metrics see the cap too (TRL)
+    per_token = -jnp.minimum(coef_1 * adv, coef_2 * adv)
+    return per_token, lambda t: _clip_metrics(jax.lax.stop_gradient(coef_1), t)
+
+
+@register_policy_loss("cispo", normaliser="num_tokens")
+def _cispo(t: Terms):
+    """CISPO: -sg(min(ρ, ε_h))·A·log π_θ."""
+    eps_high = t.opts["epsilon_high"]
+    clamped = jax.lax.stop_gradient(jnp.minimum(t.ratio, eps_high))
+    per_token = -clamped * t.adv * t.new
+    return per_token, lambda t: {"cispo_clip_ratio": t.global_mean((jax.lax.stop_gradient(t.ratio) > eps_high)
+                                                                   & (t.adv > 0))}
+
+
+@register_policy_loss("sapo", normaliser="sample_mean")
+def _sapo(t: Terms):
+    """SAPO: -(4/τ)·σ(τ·(ρ - 1))·A, τ by the sign of A."""
+    temps = jnp.where(t.adv > 0, t.opts["sapo_temperature_pos"], t.opts["sapo_temperature_neg"]).astype(t.new.dtype)
+    return -(jax.nn.sigmoid(temps * (t.ratio - 1)) * 4 / temps) * t.adv, lambda t: {}
+
+
+@register_policy_loss("vespo", normaliser="num_tokens", corrected=False)
+def _vespo(t: Terms):
+    """VESPO: a stop-gradient Gamma weight of the sequence ratio times the REINFORCE term."""
+    o = t.opts
+    phi = _vespo_weights(t.log_ratio, t.m, t.adv, o["vespo_k_pos"], o["vespo_lambda_pos"], o["vespo_k_neg"],
+                         o["vespo_lambda_neg"], t.is_w)
+    return -phi * t.adv * t.new, lambda t: {"vespo_phi_seq_mean": jnp.mean(phi) if phi.shape[1] == 1
+                                            else t.global_mean(phi)}
 
 
 def policy_loss(
@@ -179,19 +305,22 @@ def policy_loss(
       _clip_max / _clip_min) multiply ℓ_t before the KL term (vespo: log w joins the sequence log-ratio of
       φ, token modes only, as TRL); masked tokens still count in the normalisers; its metrics are added.
       None (default): no correction; sampler_logps == old_logps gives the uncorrected loss.
+    The variants are registered by name (`POLICY_LOSSES`, `register_policy_loss`): a new one is one function
+    of the shared `Terms` plus the name of its normaliser (`NORMALISERS`).
     Not here (TRL options that need other inputs): off-policy sequence masking, top-entropy token
     masking, the entropy bonus, MoE aux loss.
     """
-    if loss_type not in POLICY_LOSS_TYPES:
-        raise ValueError(f"unknown policy loss_type {loss_type!r}; expected one of {list(POLICY_LOSS_TYPES)}")
+    if loss_type not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss_type {loss_type!r}; expected one of {list(POLICY_LOSSES)}")
+    variant = POLICY_LOSSES[loss_type]
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; expected one of "
                          f"{list(IMPORTANCE_SAMPLING_LEVELS)}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown kl_estimator {kl_estimator!r}; expected one of {list(KL_ESTIMATORS)}")
-    if sampler_logps is not None and loss_type == "vespo" and not is_mode.startswith("token"):
-        raise ValueError(f"policy_loss: vespo takes token-level sampler corrections only (is_mode token_truncate or "
-                         f"token_mask), got {is_mode!r}")
+    if sampler_logps is not None and not variant.corrected and not is_mode.startswith("token"):
+        raise ValueError(f"policy_loss: {loss_type} takes token-level sampler corrections only (is_mode "
+                         f"token_truncate or token_mask), got {is_mode!r}")
     if beta != 0.0 and ref_logps is None:
         raise ValueError(f"policy_loss(beta={beta}) needs ref_logps (the reference model's per-token log-probs); "
                          "set beta=0.0 to train without a reference")
@@ -210,10 +339,8 @@ def policy_loss(
             raise ValueError(f"policy_loss: {name} has shape {jnp.shape(x)}, new_logps {new.shape}")
     if adv.shape[0] != new.shape[0] or adv.shape[1] not in (1, new.shape[1]):
         raise ValueError(f"policy_loss: advantages of shape {jnp.shape(advantages)} for log-probs {new.shape}")
-    n_rows, n_cols = new.shape
     seq_level = importance_sampling_level == "sequence"
     lengths = m.sum(-1)
-    n_active = m.sum()
 
     log_ratio = new - old
     if seq_level:  # GSPO: one length-normalised ratio per sample, [N, 1]
@@ -234,68 +361,25 @@ def policy_loss(
         is_w, is_metrics = sampler_correction(old, sampler_logps, m, is_mode=is_mode, is_clip_max=is_clip_max,
                                               is_clip_min=is_clip_min)
         metrics.update(is_metrics)
-    if loss_type == "cispo":
-        clamped = jax.lax.stop_gradient(jnp.minimum(coef_1, epsilon_high))
-        per_token = -clamped * adv * new
-    elif loss_type in _CLIPPED:
-        coef_2 = jnp.clip(coef_1, 1 - epsilon_low, 1 + epsilon_high)
-        if delta is not None:
-            coef_1 = jnp.minimum(coef_1, delta)  # two-sided clip; the clip metrics below see the cap too (TRL)
-        per_token = -jnp.minimum(coef_1 * adv, coef_2 * adv)
-    elif loss_type == "sapo":
-        temps = jnp.where(adv > 0, sapo_temperature_pos, sapo_temperature_neg).astype(dtype)
-        per_token = -(jax.nn.sigmoid(temps * (coef_1 - 1)) * 4 / temps) * adv
-    else:  # vespo: a stop-gradient Gamma weight of the sequence ratio times the REINFORCE term
-        phi = _vespo_weights(log_ratio, m, adv, vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg, is_w)
-        per_token = -phi * adv * new
+    opts = dict(epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, num_tokens=num_tokens,
+                max_completion_length=max_completion_length, sapo_temperature_pos=sapo_temperature_pos,
+                sapo_temperature_neg=sapo_temperature_neg, vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos,
+                vespo_k_neg=vespo_k_neg, vespo_lambda_neg=vespo_lambda_neg)
+    terms = Terms(new=new, log_ratio=log_ratio, ratio=coef_1, adv=adv, m=m, lengths=lengths, n_active=m.sum(),
+                  seq_level=seq_level, is_w=is_w, opts=opts)
+    per_token, variant_metrics = variant.per_token(terms)
 
-    if is_w is not None and loss_type != "vespo":
+    if is_w is not None and variant.corrected:
         per_token = per_token * is_w
     if beta != 0.0:
         per_token = per_token + beta * kl
     masked = per_token * m  # broadcasts [N, 1] (sequence level, no KL) to [N, T]
-
-    if loss_type in ("grpo", "sapo"):
-        loss = jnp.mean(masked.sum(-1) / jnp.maximum(lengths, 1.0))
-    elif loss_type == "bnpo":
-        loss = masked.sum() / jnp.maximum(n_active, 1.0)
-    elif loss_type == "dr_grpo":
-        loss = masked.sum() / (n_rows * (n_cols if max_completion_length is None else max_completion_length))
-    elif loss_type in ("dapo", "cispo", "vespo"):
-        denom = n_active if num_tokens is None else jnp.asarray(num_tokens, dtype)
-        loss = masked.sum() / jnp.maximum(denom, 1.0)
-    else:  # luspo
-        loss = jnp.mean(masked.sum(-1))
-
-    def global_mean(x):
-        """TRL's `global_masked_mean`: over tokens, or over samples for a per-sample [N, 1] value."""
-        x = x.astype(dtype)
-        if x.shape[1] == 1 and seq_level:
-            return x.sum() / max(n_rows, 1)
-        return (x * m).sum() / jnp.maximum(n_active, 1.0)
-
-    def per_sample(x):
-        """TRL's `masked_seq_mean`: NaN for a sample without tokens (dropped by nanmin/nanmax)."""
-        x = x.astype(dtype)
-        if x.shape[1] == 1 and seq_level:
-            return x[:, 0]
-        return (x * m).sum(-1) / lengths
+    loss = NORMALISERS[variant.normaliser](masked, terms)
 
     if ref_logps is not None:
-        metrics["kl"] = global_mean(jax.lax.stop_gradient(kl))
-    coef_1 = jax.lax.stop_gradient(coef_1)
-    if loss_type in _CLIPPED:
-        low = (coef_1 < 1 - epsilon_low) & (adv < 0)
-        high = (coef_1 > 1 + epsilon_high) & (adv > 0)
-        metrics["clip_low_mean"] = global_mean(low)
-        metrics["clip_high_mean"] = global_mean(high)
-        metrics["clip_region_mean"] = global_mean(low | high)
-        metrics["clip_low_min"] = jnp.nanmin(per_sample(low))
-        metrics["clip_high_max"] = jnp.nanmax(per_sample(high))
-    elif loss_type == "cispo":
-        metrics["cispo_clip_ratio"] = global_mean((coef_1 > epsilon_high) & (adv > 0))
-    elif loss_type == "vespo":
-        metrics["vespo_phi_seq_mean"] = jnp.mean(phi) if phi.shape[1] == 1 else global_mean(phi)
+        metrics["kl"] = terms.global_mean(jax.lax.stop_gradient(kl))
+    terms = dataclasses.replace(terms, ratio=jax.lax.stop_gradient(coef_1))
+    metrics.update(variant_metrics(terms))
     return loss, metrics
 
 
@@ -312,3 +396,7 @@ def _vespo_weights(log_ratio, m, adv, k_pos, lambda_pos, k_neg, lambda_neg, is_w
     lam = jnp.maximum(jnp.where(nonneg, lambda_pos, lambda_neg), 1e-4).astype(log_w.dtype)
     phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
     return jax.lax.stop_gradient(jnp.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0))
+
+
+# Every loss_type TRL 1.16's GRPOTrainer accepts (GRPOConfig.loss_type), registered above.
+POLICY_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
