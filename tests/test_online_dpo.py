@@ -18,10 +18,11 @@ from flax import nnx
 from posttrain import cli
 from posttrain import config as C
 from posttrain.data.preference import Pair, pair_arrays, pair_shapes
-from posttrain.losses.dpo import make_dpo_loss
+from posttrain.losses.dpo import make_dpo_loss, make_pair_loss
 from posttrain.losses.logps import branch_logps
 from posttrain.models import Transformer
-from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer, make_pair_loss, pair_order
+from posttrain.rl.pairs import pair_order
+from posttrain.trainers.online_dpo import OnlineDPOConfig, OnlineDPOTrainer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS = os.path.join(HERE, "data", "grpo_addition.jsonl")

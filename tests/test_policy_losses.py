@@ -601,3 +601,33 @@ def test_sampler_equal_to_old_reduces_every_mode_to_the_uncorrected_loss(mode, l
     np.testing.assert_allclose(grad, want_grad, atol=1e-12)
     assert float(metrics["sampling/mismatch_kl"]) == 0.0
     assert float(metrics["sampling/importance_sampling_ratio/max"]) == 1
+
+
+def test_a_new_policy_loss_variant_is_one_registered_function():
+    """The variants are a registry by name: a REINFORCE term (-ρ·A, the ratio 1 on-policy) registered with a
+    normaliser is a `loss_type` of policy_loss and of the grpo section; its on-policy gradient is -A·m / Σm."""
+    from posttrain.losses import policy as P
+    from posttrain.trainers.grpo import GRPOSection
+
+    assert set(POLICY_LOSS_TYPES) <= set(P.POLICY_LOSSES)
+
+    @P.register_policy_loss("reinforce_test", normaliser="batch_tokens")
+    def _reinforce(t):
+        return -t.ratio * t.adv, lambda t: {"ratio_mean": t.global_mean(t.ratio)}
+
+    try:
+        _check_reinforce_test(GRPOSection)
+    finally:
+        P.POLICY_LOSSES.pop("reinforce_test")
+
+
+def _check_reinforce_test(GRPOSection):
+    d = _policy_data(seed=5)
+    new, adv, mask = jnp.asarray(d["new"]), jnp.asarray(d["adv"]), jnp.asarray(d["mask"])
+    loss, metrics = policy_loss(new, None, adv, mask, loss_type="reinforce_test")
+    assert float(metrics["ratio_mean"]) == pytest.approx(1.0)
+    g = jax.grad(lambda x: policy_loss(x, None, adv, mask, loss_type="reinforce_test")[0])(new)
+    np.testing.assert_allclose(g, -np.asarray(adv)[:, None] * d["mask"] / d["mask"].sum(), rtol=1e-12)
+    assert GRPOSection(loss_type="reinforce_test").loss_type == "reinforce_test"
+    with pytest.raises(Exception, match="grpo.loss_type must be one of"):
+        GRPOSection(loss_type="nope")

@@ -1,12 +1,12 @@
 """GRPO-family recipe: rollouts from the train state's own weights, reward functions, prefix-shared groups.
 
-`GRPOTrainer(config).train()` (or `posttrain grpo --config ...`): loads the tokenizer, the prompts
-(TRL's prompt-only rows, other columns go to the reward functions) and the policy (LoRA or full),
-builds a `Sampler` on the policy and a `rl.GroupRollout` batch source, and trains with
-`losses/grpo.make_grpo_loss` (`policy_loss`: TRL 1.16's loss types, clipping, GSPO, KL) on the
-shared driver (`recipes.recipe`), so the run folder, resume, checkpoints, sinks and the mesh behave
-as for SFT. Each step: n samples for each of `train.batch_size` prompts (one prefill per prompt),
-rewards, advantages (`grpo.advantages`: group, rloo, reinforce_pp), and one row per prompt with its n
+`GRPOTrainer(config).train()` (or `posttrain grpo --config ...`): the opening every RL recipe shares
+(`recipes.rl.RLRecipe`: the prompts, TRL's prompt-only rows whose other columns go to the reward
+functions; the rewards; the policy, LoRA or full; the `Sampler`), a `rl.GroupRollout` batch source and
+`losses/grpo.make_grpo_loss` (`policy_loss`: TRL 1.16's loss types by name, clipping, GSPO, KL) on the
+shared driver (`recipes.recipe`), so the run folder, resume, checkpoints, sinks and the mesh behave as
+for SFT. Each step: n samples for each of `train.batch_size` prompts (one prefill per prompt), rewards,
+advantages (`grpo.advantages`: group, rloo, reinforce_pp), and one row per prompt with its n
 completions as branches; a rollout serves `grpo.num_iterations` (μ) steps. The sampler's log-probs are
 the "old" log-probs; with beta = 0 there is no reference forward at all, else the reference is the
 policy with its LoRA adapters off (no copy) or a frozen copy (full fine-tuning).
@@ -35,19 +35,16 @@ from flax import nnx
 from posttrain import config as C
 from posttrain.agentic.config import EnvSection, ToolsSection, make_env_factory
 from posttrain.agentic.rollout import AgenticRollout
-from posttrain.data.prompts import load_prompts
 from posttrain.errors import PosttrainError
-from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.advantages import ESTIMATORS
 from posttrain.losses.grpo import make_grpo_loss
+from posttrain.losses.policy import POLICY_LOSSES
 from posttrain.models.lora import LoraParam
 from posttrain.plan import flops_per_token
-from posttrain.recipes.build import build_model
-from posttrain.recipes.recipe import Parts, Recipe, group_rows, lora_reference
-from posttrain.rewards.registry import reward_functions
+from posttrain.recipes.recipe import Parts, group_rows, lora_reference
+from posttrain.recipes.rl import RLRecipe
 from posttrain.rl.offpolicy import StaleRollout
 from posttrain.rl.rollout import GroupRollout
-from posttrain.sharding import make_mesh, preset_rules
 from posttrain.train.trainer import frozen_copy
 
 
@@ -61,7 +58,9 @@ class GRPOSection(C.Sampling, C.Rewards):
     num_generations: Annotated[int, Ge(2)] = 8  # samples per prompt (the group size n; advantages compare them)
     num_iterations: C.AtLeast1 = 1  # μ: optimisation steps per rollout batch
     # the policy loss (TRL 1.16's loss_type): token / sequence normalisation, clipping variant
-    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    # (losses.policy.POLICY_LOSSES: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo; a function registered with
+    # losses.policy.register_policy_loss adds a name)
+    loss_type: str = "dapo"
     epsilon_low: C.NonNegative = 0.2  # lower clip range
     epsilon_high: C.NonNegative = 0.2  # upper clip range (DAPO clip-higher: 0.28)
     delta: Optional[C.Positive] = None  # two-sided cap on the ratio (INTELLECT-2); None = off
@@ -76,6 +75,8 @@ class GRPOSection(C.Sampling, C.Rewards):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.loss_type not in POLICY_LOSSES:
+            raise PosttrainError(f"grpo.loss_type must be one of {', '.join(POLICY_LOSSES)}, got {self.loss_type!r}")
         if self.advantages not in ESTIMATORS:
             raise PosttrainError(f"grpo.advantages must be one of {', '.join(sorted(ESTIMATORS))}, got "
                                  f"{self.advantages!r}")
@@ -116,55 +117,44 @@ class GRPOConfig(C.RunConfig):
                                      "env.enabled; turn them off")
 
 
-class GRPOTrainer(Recipe):
+class GRPOTrainer(RLRecipe):
     name = "grpo"
     help = "GRPO-family RL with reward functions from a YAML config"
     config_class = GRPOConfig
 
-    samples = True
+    rollout_options = ("dtype", "is_mode", "max_staleness")  # policy_loss corrects another sampler's log-probs
 
-    def load(self) -> None:
-        c, g, tok = self.config, self.config.grpo, self.tokenizer
-        self.prompts, self.data_stats = load_prompts(c.data.train, tok, max_prompt_length=c.data.max_prompt_length,
-                                                     skip_bad_rows=c.data.skip_bad_rows)
-        self.agentic = c.env.enabled
-        if self.agentic:  # episodes: the env's verifier is the reward; a row slot holds a whole episode
-            self.make_env = make_env_factory(c.env, c.tools)
-            self.reward_funcs, self.reward_weights, width, what = [], [], c.env.max_tokens, "env.max_tokens"
-        else:
-            self.reward_funcs, self.reward_weights = reward_functions(g, tok, self.prompts)
-            width, what = g.max_new_tokens, "grpo.max_new_tokens"
-        self.width = width  # tokens after the prompt per sample: the score slot width of a group row
-        up = lambda x: -(-x // 8) * 8  # noqa: E731
-        self.length = up(max(len(p.ids) for p in self.prompts) + g.num_generations * width)
-        self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules)
+    def slot_width(self) -> tuple[int, str]:
+        """An agentic episode takes up to env.max_tokens slots."""
+        c = self.config
+        return (c.env.max_tokens, "env.max_tokens") if c.env.enabled else (c.grpo.max_new_tokens, "grpo.max_new_tokens")
+
+    def rewards(self) -> tuple[list, list]:
+        """With env.enabled the env's verifier is the episode's reward (no reward functions)."""
+        self.agentic = self.config.env.enabled
+        if self.agentic:
+            self.make_env = make_env_factory(self.config.env, self.config.tools)
+            return [], []
+        return super().rewards()
+
+    def make_loss(self):
+        c, g = self.config, self.config.grpo
         if c.moe.routing_replay and (not self.model.cfg.num_experts or self.agentic):
             raise PosttrainError("moe.routing_replay needs a mixture-of-experts model and env.enabled=false; set "
                                  "moe.routing_replay=false")
-        if c.data.max_prompt_length + width > self.model.cfg.max_position:
-            raise PosttrainError(f"data.max_prompt_length + {what} exceeds the model's maximum position "
-                                 f"{self.model.cfg.max_position}")
-        self.loss_fn = make_grpo_loss(num_generations=g.num_generations, max_new_tokens=width,
-                                      temperature=g.temperature, loss_type=g.loss_type, epsilon_low=g.epsilon_low,
-                                      epsilon_high=g.epsilon_high, beta=g.beta, delta=g.delta,
-                                      importance_sampling_level=g.importance_sampling_level,
-                                      is_mode=c.rollout.is_mode, is_clip_max=c.rollout.is_clip_max,
-                                      is_clip_min=c.rollout.is_clip_min)
-        if g.beta and c.lora.enabled:
-            self.loss_fn = lora_reference(self.loss_fn)
+        loss_fn = make_grpo_loss(num_generations=g.num_generations, max_new_tokens=self.width,
+                                 temperature=g.temperature, loss_type=g.loss_type, epsilon_low=g.epsilon_low,
+                                 epsilon_high=g.epsilon_high, beta=g.beta, delta=g.delta,
+                                 importance_sampling_level=g.importance_sampling_level,
+                                 is_mode=c.rollout.is_mode, is_clip_max=c.rollout.is_clip_max,
+                                 is_clip_min=c.rollout.is_clip_min)
+        return lora_reference(loss_fn) if g.beta and c.lora.enabled else loss_fn
 
     def rollout(self, graphdef):
         """The batch source: a GroupRollout (or AgenticRollout) sampling with the state's own weights."""
         c, g, tok = self.config, self.config.grpo, self.tokenizer
-        # one prompt bucket (the longest prompt's): prefill and decode compile once for the whole run
-        longest = max(len(p.ids) for p in self.prompts)
-        own = self.sampler_devices is not None  # rollout.devices: the sampler's own mesh (data parallel)
-        mesh, rules = (make_mesh("dp", self.sampler_devices), preset_rules("dp")) if own else (self.mesh, self.rules)
-        sampler = Sampler(self.model, max_len=c.data.max_prompt_length + self.width, pad_id=tok.pad_id,
-                          mesh=mesh, rules=rules, buckets=(longest,), dtype=c.rollout.dtype, own_mesh=own)
-        params = SamplingParams(max_new_tokens=g.max_new_tokens, temperature=g.temperature, top_p=g.top_p,
-                                top_k=g.top_k, n=g.num_generations, stop_ids=tok.eos_ids,
-                                record_routes=c.moe.routing_replay)
+        sampler = self.make_sampler()
+        params = self.sampling_params(record_routes=c.moe.routing_replay)
         common = dict(batch_size=c.train.batch_size, n=g.num_generations, params=params, length=self.length,
                       seed=c.data.seed, shuffle=c.data.shuffle, num_iterations=g.num_iterations, scale=g.scale_rewards,
                       advantages=g.advantages)
@@ -172,10 +162,8 @@ class GRPOTrainer(Recipe):
             return AgenticRollout(self.prompts, tok, sampler, graphdef, make_env=self.make_env,
                                   max_tokens=c.env.max_tokens, max_turns=c.env.max_turns, fmt=c.env.format,
                                   workers=c.env.tool_workers, **common)
-        rollout = GroupRollout(self.prompts, tok, sampler, graphdef, reward_funcs=self.reward_funcs,
-                               reward_weights=self.reward_weights, reward_timeout_s=g.reward_timeout_s,
-                               on_reward_error=g.on_reward_error, dynamic_sampling=g.dynamic_sampling,
-                               max_refills=g.max_refills, **common)
+        rollout = GroupRollout(self.prompts, tok, sampler, graphdef, **{**self.rollout_kwargs(), **common},
+                               dynamic_sampling=g.dynamic_sampling, max_refills=g.max_refills)
         return StaleRollout(rollout, c.rollout.max_staleness) if c.rollout.max_staleness else rollout
 
     def build(self) -> Parts:

@@ -1,7 +1,8 @@
 """PPO recipe: a policy and a critic, KL-shaped per-token rewards, GAE, PPO epochs over mini-batches.
 
-`PPOTrainer(config).train()` (or `posttrain ppo --config configs/ppo_tiny.yaml`): the prompts and
-reward functions of GRPO (`trainers/grpo.py`), the policy (LoRA or full) and a critic, one train
+`PPOTrainer(config).train()` (or `posttrain ppo --config configs/ppo_tiny.yaml`): the RL opening of
+GRPO (`recipes.rl.RLRecipe`: prompts, reward functions, policy, sampler; `rollout.devices` samples on
+devices of its own), the policy (LoRA or full) and a critic, one train
 step over both (`rl/ppo.make_ppo_loss`) on the shared driver, `recipes.recipe` (run folder,
 resume, checkpoints, sinks, mesh as every trainer). The batch source is `rl/ppo.PPORollout`:
 samples on the train state's weights, rewards, one forward for the reference log-probs and the
@@ -27,15 +28,13 @@ from flax import nnx
 
 from posttrain import config as C
 from posttrain import sharding as sh
-from posttrain.data.prompts import load_prompts
 from posttrain.errors import PosttrainError
-from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.logps import branch_logps
 from posttrain.models.lora import adapters_off
 from posttrain.plan import flops_per_token
 from posttrain.recipes.build import build_model
-from posttrain.recipes.recipe import Parts, Recipe, group_rows
-from posttrain.rewards.registry import reward_functions
+from posttrain.recipes.recipe import Parts
+from posttrain.recipes.rl import RLRecipe
 from posttrain.rl.critic import check_reward_model, critic_values, ppo_model, ppo_optimizer
 from posttrain.rl.ppo import AdaptiveKL, FixedKL, PPORollout, make_ppo_loss
 from posttrain.train import merge
@@ -90,42 +89,39 @@ class PPOConfig(C.RunConfig):
     model: C.ModelSection  # the policy (required)
     data: C.PromptDataSection  # prompts (required)
     ppo: PPOSection = dataclasses.field(default_factory=PPOSection)  # critic, rewards, KL, GAE, clipping
+    rollout: C.RolloutSection = dataclasses.field(default_factory=C.RolloutSection)  # the sampler's own devices
     run_dir: str = "runs/ppo"  # folder for checkpoints, logs and the saved config
 
 
-class PPOTrainer(Recipe):
+class PPOTrainer(RLRecipe):
     name = "ppo"
     help = "PPO with a critic, GAE and KL-shaped rewards from a YAML config"
     config_class = PPOConfig
 
-    samples = True
+    # rollout.devices only: the loss takes the sampler's log-probs as the old policy's (another precision
+    # would bias every ratio; no correction is wired in)
+    rollout_options = ()
 
     def check(self) -> None:
+        super().check()
         c, p = self.config, self.config.ppo
         if c.train.batch_size % (p.mini_batch_size or c.train.batch_size):
             raise PosttrainError(f"ppo.mini_batch_size={p.mini_batch_size} must divide "
                                  f"train.batch_size={c.train.batch_size}")
         check_reward_model(p.reward_model if "reward_model" in p.rewards else None)
 
-    def load(self) -> None:
-        c, p, tok = self.config, self.config.ppo, self.tokenizer
-        self.prompts, self.data_stats = load_prompts(c.data.train, tok, max_prompt_length=c.data.max_prompt_length,
-                                                     skip_bad_rows=c.data.skip_bad_rows)
-        self.reward_funcs, self.reward_weights = reward_functions(p, tok, self.prompts, key="ppo")
-        up = lambda x: -(-x // 8) * 8  # noqa: E731
-        self.length = up(max(len(q.ids) for q in self.prompts) + p.num_generations * p.max_new_tokens)
-        policy = build_model(c.model, tok, c.lora, self.mesh, self.rules)
-        if c.data.max_prompt_length + p.max_new_tokens > policy.cfg.max_position:
-            raise PosttrainError(f"data.max_prompt_length + ppo.max_new_tokens exceeds the model's maximum position "
-                                 f"{policy.cfg.max_position}")
-        self.model, self.trainable = ppo_model(c, tok, policy, self.mesh, self.rules)
-        self.loss_fn = make_ppo_loss(**{k: getattr(p, k) for k in (
+    def make_loss(self):
+        return make_ppo_loss(**{k: getattr(self.config.ppo, k) for k in (
             "num_generations", "max_new_tokens", "temperature", "epsilon_low", "epsilon_high", "dual_clip",
             "value_clip", "vf_coef", "entropy_coef")})
 
+    def load(self) -> None:
+        super().load()  # the policy in self.model; PPO trains it with a critic, one module
+        self.model, self.trainable = ppo_model(self.config, self.tokenizer, self.model, self.mesh, self.rules)
+
     def rollout(self, graphdef, frozen):
         """The batch source: PPORollout, with one jitted forward for the reference log-probs and the values."""
-        c, p, tok = self.config, self.config.ppo, self.tokenizer
+        c, p = self.config, self.config.ppo
         n, use_ref = p.num_generations, p.beta > 0
         frozen_graphdef, fz = frozen or (None, None)
 
@@ -139,18 +135,12 @@ class PPOTrainer(Recipe):
                 ref = adapters_off(model.policy) if c.lora.enabled else nnx.merge(frozen_graphdef, fz)
                 return branch_logps(ref, batch, n, temperature=p.temperature)[0], values
 
-        sampler = Sampler(self.model.policy, max_len=c.data.max_prompt_length + p.max_new_tokens, pad_id=tok.pad_id,
-                          mesh=self.mesh, rules=self.rules, buckets=(max(len(q.ids) for q in self.prompts),))
-        params = SamplingParams(max_new_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p,
-                                top_k=p.top_k, n=n, stop_ids=tok.eos_ids)
         kl = FixedKL(p.beta) if p.kl_target is None else AdaptiveKL(p.beta, p.kl_target, p.kl_horizon)
-        return PPORollout(self.prompts, tok, sampler, graphdef, batch_size=c.train.batch_size, n=n, params=params,
-                             reward_funcs=self.reward_funcs, reward_weights=self.reward_weights, length=self.length,
-                             seed=c.data.seed, shuffle=c.data.shuffle, reward_timeout_s=p.reward_timeout_s,
-                             on_reward_error=p.on_reward_error, prepare=lambda st, b: prepare(st, b, fz),
-                             kl_controller=kl, kl_estimator=p.kl_estimator, gamma=p.gamma, lam=p.lam,
-                             whiten=p.whiten_advantages, num_iterations=p.num_iterations,
-                             mini_batch_size=p.mini_batch_size, missing_eos_penalty=p.missing_eos_penalty)
+        return PPORollout(self.prompts, self.tokenizer, self.make_sampler(self.model.policy), graphdef, n=n,
+                          params=self.sampling_params(), prepare=lambda st, b: prepare(st, b, fz), kl_controller=kl,
+                          kl_estimator=p.kl_estimator, gamma=p.gamma, lam=p.lam, whiten=p.whiten_advantages,
+                          num_iterations=p.num_iterations, mini_batch_size=p.mini_batch_size,
+                          missing_eos_penalty=p.missing_eos_penalty, **self.rollout_kwargs())
 
     def build(self) -> Parts:
         c, p = self.config, self.config.ppo
@@ -170,11 +160,6 @@ class PPOTrainer(Recipe):
     def done_line(r: dict) -> str:
         return (f"{r['step']} steps, reward {r.get('reward/mean', float('nan')):.3f}, "
                 f"kl {r.get('kl', float('nan')):.4f}")
-
-    @classmethod
-    def plan_rows(cls, c) -> tuple[int, int]:
-        """`group_rows`; the critic, a second model, is not counted."""
-        return group_rows(c, c.ppo.num_generations, c.ppo.max_new_tokens)
 
     @classmethod
     def run_model(cls, config, tok):
