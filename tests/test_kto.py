@@ -22,11 +22,11 @@ import pytest
 from flax import nnx
 
 from posttrain import cli
+from posttrain.data.unpaired import kto_rows, tokenize_unpaired
 from posttrain.losses.kto import KTO_LOSS_TYPES, kto_loss, kto_means, make_kto_loss
 from posttrain.models import Transformer, preset
 from posttrain.tasks import addition
 from posttrain.tokenizer import byte_tokenizer
-from posttrain.trainers.kto import kto_rows, tokenize_unpaired
 
 N, L = 8, 12  # rows, sequence length of the TRL-side token arrays
 TOL = 1e-6
