@@ -17,6 +17,7 @@ TRL (`RewardTrainer.compute_loss`), never posttrain's own output:
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import types
@@ -32,22 +33,16 @@ from pref_data import make_rows, write_jsonl
 from posttrain import config as C
 from posttrain.data.preference import load_pairs, pair_arrays, pair_shapes, tokenize_pair
 from posttrain.errors import PosttrainError
+from posttrain.losses.reward import make_reward_loss
 from posttrain.models import from_pretrained, save_pretrained
-from posttrain.models.heads import ScoreParam, attach_score_head, last_token_scores, score_index
+from posttrain.models.heads import ScoreParam, attach_score_head, last_token_scores, pair_scores, score_index
 from posttrain.models.lora import LoraParam
 from posttrain.rewards import RewardModel, tokenize_completion
 from posttrain.runs import export_run
 from posttrain.tokenizer import byte_tokenizer
 from posttrain.train.serialize import save_state
 from posttrain.train.trainer import WEIGHTS
-from posttrain.trainers.reward_model import (
-    RMConfig,
-    RMTrainer,
-    build_reward_model,
-    make_reward_loss,
-    pair_scores,
-    trainable_filter,
-)
+from posttrain.trainers.reward_model import RMConfig, RMTrainer, build_reward_model, trainable_filter
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS, EVAL_EVERY = 20, 10
@@ -217,7 +212,8 @@ def test_loss_and_metrics_equal_trl(run):
     variants = [dict(use_margin=True, center_coefficient=None), dict(use_margin=True, center_coefficient=0.05),
                 dict(use_margin=False, center_coefficient=None)]
     graphdef, state = nnx.split(run.trainer.model)
-    ours = jax.jit(lambda st, b: [make_reward_loss(pad_id=tok.pad_id, **v)(nnx.merge(graphdef, st), b)
+    scores = functools.partial(pair_scores, pad_id=tok.pad_id)
+    ours = jax.jit(lambda st, b: [make_reward_loss(scores, **v)(nnx.merge(graphdef, st), b)
                                   for v in variants])(state, batch)  # one compile for the three
     for (total, m), v in zip(ours[:2], variants):
         coef = v["center_coefficient"]

@@ -6,7 +6,9 @@ adapters: the model class stays the one forward-only Transformer, so `from_pretr
 sharding (logical axes ("embed", None)), LoRA and the train step work unchanged. The language
 model head is removed (a sequence classifier has none; its optimizer state would be wasted).
 `score_index(...)` picks the slot to score and `last_token_scores(model, hidden, index)`
-projects the final hidden states (after the final norm, `out.hidden[-1]`) there.
+projects the final hidden states (after the final norm, `out.hidden[-1]`) there; `pair_scores(model,
+batch, pad_id=...)` scores both answers of prefix-shared pair rows [prompt | chosen | rejected] in one
+forward (the reward model's loss, `losses.reward.make_reward_loss`, takes it as its scorer).
 
 Which token is scored: transformers' `*ForSequenceClassification` (`GenericForSequenceClassification.
 forward`, transformers 5.12) scores the RIGHTMOST token that is not `config.pad_token_id` (the
@@ -80,3 +82,15 @@ def last_token_scores(model, hidden, index):
     h = jnp.take_along_axis(hidden, (index if index.ndim == 2 else index[:, None])[..., None], axis=1)
     s = jnp.einsum("bkd,dl->bkl", h.astype(jnp.float32), model.score[...].astype(jnp.float32))
     return s if index.ndim == 2 else s[:, 0]
+
+
+def pair_scores(model, batch: dict, *, pad_id: Optional[int]):
+    """(chosen [B], rejected [B]) float32 scores of a batch of prefix-shared pair rows: the attention rule
+    makes each branch's final hidden states those of the unshared row [prompt | answer], and
+    `score_index` picks the slot HF's sequence classifier scores (the rightmost non-pad token)."""
+    tokens, seg, br = batch["tokens"], batch["segment_ids"], batch["branch_ids"]
+    out = model(tokens, batch["positions"], segment_ids=seg, branch_ids=br, return_hidden=True,
+                return_logits=False)
+    index = jnp.stack([score_index(tokens, seg, br, b, pad_id) for b in (1, 2)], axis=1)  # [B, 2]
+    s = last_token_scores(model, out.hidden[-1], index)[..., 0]  # [B, 2]
+    return s[:, 0], s[:, 1]

@@ -5,8 +5,8 @@ tokenizer, the preference pairs (`data/preference.py`, TRL's formats, optional "
 column) and the model (a HF causal-LM folder or a preset), attaches a score head
 (`models/heads.py`, normal(0, initializer_range) from `model.seed`; the LM head is dropped)
 and, if enabled, LoRA adapters (then the adapters and the head train: `TRAINABLE_WITH_LORA`).
-Each pair is one prefix-shared row [prompt | chosen | rejected] run once (`pair_scores`); the loss
-is `make_reward_loss` over `losses/reward.per_pair_loss` (TRL's RewardTrainer loss, with the margin
+Each pair is one prefix-shared row [prompt | chosen | rejected] run once (`models.heads.pair_scores`); the
+loss is `losses.reward.make_reward_loss` over `per_pair_loss` (TRL's RewardTrainer loss, with the margin
 and reward centering options), on the shared driver (`recipes.recipe`: run folder, resume, sinks,
 eval, checkpoints, `trainable.safetensors`), as for SFT. Eval metrics: eval_loss, eval_accuracy,
 eval_margin, ...
@@ -20,20 +20,19 @@ same scores.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Optional
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from posttrain import config as C
 from posttrain.data.preference import load_pair_sets, pair_arrays, pair_batches, pair_shapes
 from posttrain.errors import PosttrainError
-from posttrain.losses.reward import per_pair_loss
+from posttrain.losses.reward import make_reward_loss
 from posttrain.models import from_pretrained
-from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head, last_token_scores, score_index
+from posttrain.models.heads import TRAINABLE_WITH_LORA, attach_score_head, pair_scores
 from posttrain.models.lora import apply_lora
 from posttrain.plan import flops_per_token
 from posttrain.recipes.build import build_model, is_classifier, numerics
@@ -93,40 +92,6 @@ def trainable_filter(c: RMConfig):
     return TRAINABLE_WITH_LORA if c.lora.enabled else nnx.Param
 
 
-def pair_scores(model, batch: dict, *, pad_id: Optional[int]):
-    """(chosen [B], rejected [B]) float32 scores of a batch of prefix-shared pair rows: the attention rule
-    makes each branch's final hidden states those of the unshared row [prompt | answer], and
-    `score_index` picks the slot HF's sequence classifier scores (the rightmost non-pad token)."""
-    tokens, seg, br = batch["tokens"], batch["segment_ids"], batch["branch_ids"]
-    out = model(tokens, batch["positions"], segment_ids=seg, branch_ids=br, return_hidden=True,
-                return_logits=False)
-    index = jnp.stack([score_index(tokens, seg, br, b, pad_id) for b in (1, 2)], axis=1)  # [B, 2]
-    s = last_token_scores(model, out.hidden[-1], index)[..., 0]  # [B, 2]
-    return s[:, 0], s[:, 1]
-
-
-def make_reward_loss(*, pad_id: Optional[int], use_margin: bool = True, center_coefficient: Optional[float] = None):
-    """`loss_fn(policy, batch, *, frozen=None, rng=None) -> (sum over pairs, metric sums)` of a reward model.
-
-    `pad_id`: the token id the exported config calls pad_token_id (the tokenizer's pad id), so
-    the scored slot is the one transformers scores; `use_margin`: subtract the row's "margin"."""
-
-    def loss_fn(policy, batch, *, frozen=None, rng=None):
-        del frozen, rng
-        chosen, rejected = pair_scores(policy, batch, pad_id=pad_id)
-        real = jnp.any(batch["branch_ids"] == 2, axis=-1).astype(jnp.float32)  # padding rows have no answer
-        margin = batch["margin"].astype(jnp.float32) if use_margin and "margin" in batch else None
-        total = jnp.sum(real * per_pair_loss(chosen, rejected, margin, center_coefficient))
-        sg = jax.lax.stop_gradient
-        c, r = sg(chosen), sg(rejected)
-        metrics = {"loss": sg(total), "denom": jnp.sum(real),
-                   "accuracy": jnp.sum(real * (c > r).astype(jnp.float32)), "margin": jnp.sum(real * (c - r)),
-                   "rewards/chosen": jnp.sum(real * c), "rewards/rejected": jnp.sum(real * r)}
-        return total, metrics
-
-    return loss_fn
-
-
 class RMTrainer(Recipe):
     name = "rm"
     help = "reward model: a score head trained Bradley-Terry"
@@ -147,7 +112,8 @@ class RMTrainer(Recipe):
         shapes = dict(length=self.length, score_length=self.score_length, pad_id=tok.pad_id)
         return Parts(
             model=self.model, trainable=trainable_filter(c),
-            loss_fn=make_reward_loss(pad_id=tok.pad_id, use_margin=c.rm.use_margin,
+            loss_fn=make_reward_loss(functools.partial(pair_scores, pad_id=tok.pad_id),
+                                     use_margin=c.rm.use_margin,
                                      center_coefficient=c.rm.center_coefficient),
             batches=lambda graphdef: iter(pair_batches(self.train_pairs, batch_size=c.train.batch_size,
                                                        seed=c.data.seed, shuffle=c.data.shuffle, **shapes)),
