@@ -18,12 +18,9 @@ def _both(folder, raw=None):
     if raw is not None:
         (folder / "config.json").write_text(json.dumps(raw))
     raw = json.loads((folder / "config.json").read_text())
+    # transformers >= 5.15 keeps Gemma 4's full-attention head_dim / kv heads in per_layer_config (an object whose
+    # head_dim raises on a bare read; save_pretrained writes per_layer_config): config_from_hf reads both forms
     hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-    if any(getattr(c, "is_heterogeneous", False) for c in (hf, getattr(hf, "text_config", None))):
-        # transformers 5.25 keeps Gemma 4's full-attention head_dim / kv heads in per_layer_config (no global_head_dim
-        # attribute, and save_pretrained writes per_layer_config): posttrain's config_from_hf cannot read that object,
-        # and a config.json written that way is not read yet either; open in #55's report
-        pytest.xfail("Gemma 4 per-layer config of transformers >= 5.25 (per_layer_config) is not read by posttrain yet")
     ours, tied = read_hf_config(raw)
     if raw.get("model_type") == "gemma4":
         theirs = config_from_hf(hf.text_config).replace(tie_embeddings=bool(hf.tie_word_embeddings))
@@ -106,3 +103,17 @@ def test_loading_a_model_folder_imports_no_torch(tmp_path):
             "print(sorted(k for k in ('torch', 'transformers') if k in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_gemma4_per_layer_config_reads_as_the_global_fields():
+    """transformers >= 5.15 writes Gemma 4's full layers' head size and kv heads as per_layer_config, keyed by layer
+    (what 5.25.0's save_pretrained writes for the flat config below: no global_head_dim key): the same ModelConfig."""
+    flat = dict(model_type="gemma4_text", num_hidden_layers=6, hidden_size=32, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, attention_k_eq_v=True, global_head_dim=16,
+                num_global_key_value_heads=1)
+    per_layer = {k: v for k, v in flat.items() if "global" not in k}
+    per_layer["per_layer_config"] = {"05": {"head_dim": 16, "num_key_value_heads": 1}}
+    a, b = (config_from_hf(read_hf_config(raw)[0]) for raw in (flat, per_layer))
+    assert a == b and (b.global_head_dim, b.global_kv_heads) == (16, 1)
+    same = dict(per_layer, attention_k_eq_v=False, per_layer_config={})  # full layers as wide as the sliding ones
+    assert config_from_hf(read_hf_config(same)[0]).global_head_dim == 8

@@ -61,6 +61,8 @@ def read_hf_config(raw: dict, where: str = "config.json"):
 
 def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
     """Translate a transformers config object (or an HFConfig) into a ModelConfig."""
+    if getattr(hf, "is_heterogeneous", False):  # transformers >= 5.15: attributes that vary per layer (Gemma 4's
+        hf = HFConfig(hf.to_dict())  # per_layer_config) raise on a bare read; read its dict as a config.json
     mt = getattr(hf, "model_type", None)
     fam = family_of_type(mt)
     if fam is None:

@@ -15,6 +15,9 @@ What Gemma 4 text is, per transformers 5.12 `models/gemma4/modeling_gemma4.py` (
     dense MLP of every layer; a loaded `layer_scalar` on each layer's output; plain (w, not 1 + w) norms.
 Unlike Qwen3-MoE / Mixtral, transformers adds no router loss for Gemma 4: `router_aux_loss_coef` is 0.
 
+transformers 5.15 and later keep the full layers' head size and kv heads in `per_layer_config` ({layer: {head_dim,
+num_key_value_heads}}) instead of `global_head_dim` / `num_global_key_value_heads`: both forms are read.
+
 What it is not: the vision and audio towers of a `gemma4` folder (load its text model with
 `from_pretrained(path, text_only=True)`), `use_bidirectional_attention="all"`, attention dropout.
 """
@@ -132,6 +135,13 @@ def post_init(d: dict) -> None:
         d["layer_types"] = sliding_layer_types(d["num_hidden_layers"], 6)
     if d["layer_types"] and d["layer_types"][-1] != "full_attention":
         d["layer_types"] = list(d["layer_types"][:-1]) + ["full_attention"]
+    per_layer = d.get("per_layer_config")
+    if isinstance(per_layer, dict):  # transformers >= 5.15 writes the full layers' head size / kv heads per layer
+        full = [v for k, v in sorted(per_layer.items(), key=lambda kv: int(kv[0]))
+                if d["layer_types"][int(k)] == "full_attention" and isinstance(v, dict)]
+        d["global_head_dim"] = next((v["head_dim"] for v in full if "head_dim" in v), d.get("head_dim"))
+        d["num_global_key_value_heads"] = next((v["num_key_value_heads"] for v in full if "num_key_value_heads" in v),
+                                               None)
     if d.get("rope_parameters") is None:
         d["rope_parameters"] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
