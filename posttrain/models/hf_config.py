@@ -145,9 +145,3 @@ def classifier_class(family: str) -> Optional[str]:
     """transformers' sequence-classification class of a family (gemma3: the text-only one), or None."""
     fam = family_named(family)
     return fam.classifier if fam else None
-
-
-def text_type(family: str) -> str:
-    """The transformers model_type of a family (Gemma 3 and 4 export their text-only model types)."""
-    fam = family_named(family)
-    return fam.model_type if fam else family
