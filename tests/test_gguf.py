@@ -263,6 +263,22 @@ def test_export_refuses_what_llama_cpp_reads_otherwise(change, why, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_export_refuses_qwen3_moe_llama_cpp_cannot_run(tmp_path):
+    """llama.cpp's qwen3moe has experts on every layer and renormalises the top-k weights."""
+    from posttrain.errors import PosttrainError
+    from posttrain.models import ModelConfig
+    from posttrain.models.gguf import export_gguf
+
+    cfg = ModelConfig(family="qwen3_moe", vocab_size=8, embed_dim=8, num_layers=2, num_heads=1, num_kv_heads=1,
+                      head_dim=8, mlp_dim=8, qk_norm=True, num_experts=4, experts_per_token=2, expert_mlp_dim=8)
+    with pytest.raises(PosttrainError, match="no tokenizer"):  # every check passed: the tokenizer is next
+        export_gguf(types.SimpleNamespace(cfg=cfg), None, str(tmp_path / "x.gguf"))
+    for change, why in ((dict(dense_layers=(1,)), "dense_layers"), (dict(norm_topk_prob=False), "no norm_topk_prob")):
+        with pytest.raises(PosttrainError, match=why):
+            export_gguf(types.SimpleNamespace(cfg=cfg.replace(**change)), None, str(tmp_path / "x.gguf"))
+    assert not list(tmp_path.iterdir())
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 

@@ -1,5 +1,5 @@
-"""GGUF export for each family whose llama.cpp architecture posttrain writes (llama, mistral, qwen2, qwen3, gemma,
-gemma2, gemma3): a tiny random HF folder of the family, exported by `posttrain export --gguf`, read back by
+"""GGUF export for each family whose llama.cpp architecture posttrain writes (llama, mistral, qwen2, qwen3, qwen3_moe,
+gemma, gemma2, gemma3): a tiny random HF folder of the family, exported by `posttrain export --gguf`, read back by
 transformers' own GGUF loader (the independent reader) gives the folder's logits to 1e-4, and `posttrain convert` of
 the file gives back the folder's weights. transformers' reader has no `gemma` (Gemma 1) architecture: that file is
 read back by `posttrain convert` and the converted folder by transformers. Families the architecture cannot express
@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 import pytest
-from hf_models import hf_config
+from hf_models import COMMON, hf_config
 from test_gguf import _bpe_tokenizer, _hf_logits, _ids
 
 from posttrain.cli import main
@@ -30,10 +30,22 @@ FAMILIES = {"llama": {}, "mistral": {"sliding_window": None}, "qwen2": {}, "qwen
             "gemma2": {"head_dim": 256, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
                        "final_logit_softcapping": 30.0},
             "gemma3": {"head_dim": 256, "query_pre_attn_scalar": 256, "num_hidden_layers": 6,
-                       "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "rope_parameters": _GEMMA3_ROPE}}
+                       "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "rope_parameters": _GEMMA3_ROPE},
+            "qwen3_moe": {}}
 # llama.cpp writes Mistral as llama; transformers names Gemma 3's text model gemma3_text
 ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-        "gemma3": "gemma3_text"}
+        "gemma3": "gemma3_text", "qwen3_moe": "qwen3_moe"}
+
+
+def _hf_config(family):
+    if family != "qwen3_moe":
+        return hf_config(family)
+    from transformers import AutoConfig
+
+    # llama.cpp's qwen3moe: experts on every layer, renormalised top-k; transformers' reader takes the experts' width
+    # from Qwen3MoeConfig's default (768), not the file's expert_feed_forward_length
+    return AutoConfig.for_model("qwen3_moe", **dict(COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=768, norm_topk_prob=True))
 
 
 def _folder(family, tmp_path, overrides):
@@ -42,7 +54,7 @@ def _folder(family, tmp_path, overrides):
     from transformers import AutoModelForCausalLM
 
     tok = _bpe_tokenizer(tmp_path / "hf")
-    cfg = hf_config(family)
+    cfg = _hf_config(family)
     cfg.vocab_size = len(tok)
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
     for k, v in overrides.items():

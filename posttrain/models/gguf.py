@@ -12,7 +12,9 @@ converters (`transformers.integrations.ggml`, which imports no torch), so token 
 are added come from the GGUF's own fields (transformers 5.12 reads eos as the bos token). A GGUF without
 `output.weight` ties the output head to the embeddings. Llama-architecture files (Llama, Mistral, SmolLM, ...),
 qwen2 and qwen3 (its q/k norms as attn_q_norm / attn_k_norm); `rope_freqs.weight` (Llama 3.1+ rope scaling)
-becomes rope_parameters of type llama3. gemma, gemma2 and gemma3 files as llama.cpp's Gemma converters write them:
+becomes rope_parameters of type llama3. qwen3moe files (Qwen3-MoE: experts on every layer, renormalised top-k; the
+router as ffn_gate_inp, the experts stacked [E, out, in] as ffn_{gate,up,down}_exps, split back into one Linear per
+expert as transformers saves them). gemma, gemma2 and gemma3 files as llama.cpp's Gemma converters write them:
 every norm stored as 1 + w, the embedding scaling and GELU-tanh implied by the architecture, Gemma 2 / 3's sandwich
 norms as post_attention_norm / ffn_norm / post_ffw_norm, Gemma 2's soft-caps as `*.attn_logit_softcapping` /
 `*.final_logit_softcapping`, the window as `*.attention.sliding_window` over llama.cpp's fixed layer patterns
@@ -47,10 +49,15 @@ import numpy as np
 from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig, RopeConfig
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")  # GGUF general.architecture values convert reads
+# GGUF general.architecture values convert reads
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma", "gemma2", "gemma3")
 # family -> GGUF arch (llama.cpp writes Mistral as llama)
-EXPORT_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
-                   "gemma2": "gemma2", "gemma3": "gemma3"}
+EXPORT_FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+                   "gemma": "gemma", "gemma2": "gemma2", "gemma3": "gemma3"}
+_FAMILY = {"qwen3moe": "qwen3_moe"}  # GGUF arch -> posttrain family, where the names differ
+# llama.cpp's stacked experts [E, ...] <-> transformers' (on disk) one Linear per expert
+_EXPERTS = {"ffn_gate_exps.weight": "gate_proj.weight", "ffn_up_exps.weight": "up_proj.weight",
+            "ffn_down_exps.weight": "down_proj.weight"}
 GEMMA = ("gemma", "gemma2", "gemma3")  # llama.cpp stores their norms as 1 + w and scales the embeddings itself
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -74,12 +81,13 @@ _GLOBAL_BACK = {v: k for k, v in _GLOBAL.items()}
 _FIELDS = ("sliding_window", "num_experts", "layer_types", "sandwich_norm", "attn_softcap", "final_softcap",
            "query_scale", "embed_scale", "norm_unit_offset", "qkv_bias", "qk_norm", "rope_local")
 _GEMMA_FIELDS = ("norm_unit_offset", "embed_scale")
-_ALLOWED = {"llama": (), "qwen2": ("qkv_bias",), "qwen3": ("qk_norm",), "gemma": _GEMMA_FIELDS,
+_ALLOWED = {"llama": (), "qwen2": ("qkv_bias",), "qwen3": ("qk_norm",), "qwen3moe": ("qk_norm", "num_experts"),
+            "gemma": _GEMMA_FIELDS,
             "gemma2": _GEMMA_FIELDS + ("sandwich_norm", "attn_softcap", "final_softcap", "query_scale",
                                        "sliding_window", "layer_types"),
             "gemma3": _GEMMA_FIELDS + ("sandwich_norm", "qk_norm", "query_scale", "sliding_window", "layer_types",
                                        "rope_local")}
-_REQUIRED = {"qwen3": ("qk_norm",), "gemma": _GEMMA_FIELDS,
+_REQUIRED = {"qwen3": ("qk_norm",), "qwen3moe": ("qk_norm", "num_experts", "norm_topk_prob"), "gemma": _GEMMA_FIELDS,
              "gemma2": _GEMMA_FIELDS + ("sandwich_norm", "attn_softcap", "final_softcap"),
              "gemma3": _GEMMA_FIELDS + ("sandwich_norm", "qk_norm")}
 # llama.cpp's fixed sliding patterns (llama-model.cpp set_swa_pattern): Gemma 2 every 2nd layer full, Gemma 3 every
@@ -89,7 +97,10 @@ GEMMA3_LOCAL_THETA = 10_000.0
 
 
 def _layer_names(arch: str) -> dict:
-    """llama.cpp's per-layer tensor names -> transformers' (after "blk.{i}." / "model.layers.{i}.")."""
+    """llama.cpp's per-layer tensor names -> transformers' (after "blk.{i}." / "model.layers.{i}."); a qwen3moe
+    layer's experts are _EXPERTS'."""
+    if arch == "qwen3moe":
+        return {**_LAYER, "ffn_gate_inp.weight": "mlp.gate.weight"}
     return {**_LAYER, **_SANDWICH} if arch in ("gemma2", "gemma3") else _LAYER
 
 
@@ -248,8 +259,13 @@ def _config(r, path: str, arch: str, tensors: dict) -> ModelConfig:
                   final_softcap=float(_field(r, p + "final_logit_softcapping", path, 30.0)))
     if arch == "gemma3":
         kw.update(qk_norm=True, rope_local=RopeConfig(theta=GEMMA3_LOCAL_THETA))
+    if arch == "qwen3moe":  # experts on every layer, renormalised top-k (llama.cpp's qwen3moe)
+        kw.update(qk_norm=True, num_experts=int(_field(r, p + "expert_count", path, required=True)),
+                  experts_per_token=int(_field(r, p + "expert_used_count", path, required=True)),
+                  expert_mlp_dim=int(_field(r, p + "expert_feed_forward_length", path, required=True)),
+                  norm_topk_prob=True)
     return ModelConfig(
-        family=arch, vocab_size=tensors["token_embd.weight"].shape[0], embed_dim=embed,
+        family=_FAMILY.get(arch, arch), vocab_size=tensors["token_embd.weight"].shape[0], embed_dim=embed,
         num_layers=int(_field(r, p + "block_count", path, required=True)),
         num_heads=heads, num_kv_heads=int(_field(r, p + "attention.head_count_kv", path, heads)), head_dim=head_dim,
         mlp_dim=int(_field(r, p + "feed_forward_length", path, required=True)),
@@ -286,7 +302,7 @@ def _tokenizer_files(r, path: str, arch: str, tmp: str) -> dict:
 
     d = _tokenizer_dict(r, path)
     tokens = d["tokens"]
-    conv = arch
+    conv = _FAMILY.get(arch, arch)  # transformers' converters are keyed by model_type
     if arch in GEMMA:  # a byte-level BPE through the Llama converter (it reads both kinds), SentencePiece as Gemma's
         conv = "llama" if d["tokenizer_type"] == "gpt2" else "gemma2"
     raw = GGUF_TO_FAST_CONVERTERS[conv](dict(d)).converted()
@@ -368,6 +384,10 @@ def convert(gguf_file: str, out: str) -> str:
         if name == "rope_freqs.weight":
             continue  # became rope_parameters
         parts = name.split(".", 2)
+        if arch == "qwen3moe" and parts[0] == "blk" and parts[2] in _EXPERTS:  # [E, ...] -> one Linear per expert
+            for e in range(w.shape[0]):
+                tensors[f"model.layers.{parts[1]}.mlp.experts.{e}.{_EXPERTS[parts[2]]}"] = np.ascontiguousarray(w[e])
+            continue
         if parts[0] != "blk" or parts[2] not in layer_names:
             raise PosttrainError(f"{gguf_file}: tensor {name!r} has no transformers name for architecture {arch!r}; "
                                  "the file holds a model variant posttrain does not convert")
@@ -455,6 +475,23 @@ def _unk_id(tokenizer):
     return spec("unk_token")[1] if spec is not None else tokenizer.hf.unk_token_id
 
 
+def _stack_experts(state: dict, cfg: ModelConfig, arch: str) -> dict:
+    """qwen3moe: each layer's per-expert Linears (transformers' names) stacked into llama.cpp's [E, out, in]
+    ffn_{gate,up,down}_exps, in place of the first expert's entry (the rest unchanged)."""
+    if arch != "qwen3moe":
+        return state
+    out, back = {}, {v: k for k, v in _EXPERTS.items()}
+    for name, a in state.items():
+        parts = name.split(".")
+        if parts[3:5] != ["mlp", "experts"]:
+            out[name] = a
+        elif parts[5] == "0":
+            i, which = parts[2], ".".join(parts[6:])
+            out[f"blk.{i}.{back[which]}"] = np.stack(
+                [state[f"model.layers.{i}.mlp.experts.{e}.{which}"] for e in range(cfg.num_experts)])
+    return out
+
+
 def _inexpressible(cfg: ModelConfig, arch: str) -> list[str]:
     """What of `cfg` the GGUF architecture `arch` cannot express (as llama.cpp reads it); [] when it can."""
     odd = [k for k in _FIELDS if getattr(cfg, k) and k not in _ALLOWED[arch]]
@@ -465,6 +502,8 @@ def _inexpressible(cfg: ModelConfig, arch: str) -> list[str]:
     if cfg.query_scale is not None and "query_scale" in _ALLOWED[arch] \
             and not math.isclose(cfg.query_scale, cfg.head_dim ** -0.5, rel_tol=1e-6):
         odd.append(f"query_scale {cfg.query_scale:.6g} (llama.cpp's is head_dim^-1/2 = {cfg.head_dim ** -0.5:.6g})")
+    if arch == "qwen3moe" and cfg.dense_layers:
+        odd.append("dense_layers (llama.cpp's qwen3moe has experts on every layer)")
     every = _SWA_PATTERN.get(arch)
     if every and cfg.sliding_window:
         want = tuple("sliding" if (i + 1) % every else "full" for i in range(cfg.num_layers))
@@ -532,6 +571,10 @@ def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str =
         if cfg.head_dim * cfg.num_heads != cfg.embed_dim or arch in GEMMA:  # Gemma's readers default to 256
             w.add_key_length(cfg.head_dim)
             w.add_value_length(cfg.head_dim)
+        if arch == "qwen3moe":
+            w.add_expert_count(cfg.num_experts)
+            w.add_expert_used_count(cfg.experts_per_token)
+            w.add_expert_feed_forward_length(cfg.expert_mlp_dim)
         if arch == "gemma2":
             w.add_attn_logit_softcapping(float(cfg.attn_softcap))
             w.add_final_logit_softcapping(float(cfg.final_softcap))
@@ -563,9 +606,11 @@ def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str =
             w.add_chat_template(tokenizer.chat_template)
         if cfg.rope.kind == "llama3":
             w.add_tensor("rope_freqs.weight", _llama3_factors(cfg.rope, cfg.head_dim))
-        for hf_name, a in state.items():
+        for hf_name, a in _stack_experts(state, cfg, arch).items():
             if hf_name in _GLOBAL_BACK:
                 gname = _GLOBAL_BACK[hf_name]
+            elif hf_name.startswith("blk."):
+                gname = hf_name  # stacked experts, named already
             else:
                 _m, _l, i, rest = hf_name.split(".", 3)
                 gname = f"blk.{i}.{layer_back[rest]}"
@@ -573,7 +618,7 @@ def export_gguf(model, tokenizer, path: str, gguf_type: str = "f32", name: str =
                     a = _permute(a, cfg.num_heads if "q_proj" in rest else cfg.num_kv_heads, reverse=False)
             if arch in GEMMA and hf_name.endswith("norm.weight"):
                 a = a + np.float32(1.0)  # llama.cpp's Gemma converters store the norms as 1 + w
-            t = wtype if a.ndim == 2 else Q.F32  # llama.cpp keeps norms and biases in f32
+            t = wtype if a.ndim >= 2 else Q.F32  # llama.cpp keeps norms and biases in f32
             if t == Q.Q8_0 and a.shape[-1] % 32:
                 t = Q.F16  # rows not a whole number of q8_0 blocks: llama.cpp's fallback
             if t == Q.F32:
