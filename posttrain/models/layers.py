@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.models.attention import attention
+from posttrain.models.attention import attention, pack_heads
 from posttrain.models.config import ModelConfig, RopeConfig
 from posttrain.sharding import constrain, param
 
@@ -240,11 +240,12 @@ class Attention(nnx.Module):
                 v = rms_normalize(v, self.v_norm_eps)
             k = jnp.swapaxes(apply_rope(k, rope), 1, 2)  # [B,K,T,H]
             v = jnp.swapaxes(v, 1, 2)
-            if kv is not None:
+            if kv is not None:  # the cache may hold P heads a row (attention.pack_heads on a TPU)
                 zero = jnp.zeros((), jnp.int32)
                 idx = (zero, zero, write_index, zero)
-                k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), idx)
-                v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), idx)
+                P = kv[0].shape[-1] // k.shape[-1]
+                k = jax.lax.dynamic_update_slice(kv[0], pack_heads(k.astype(kv[0].dtype), P), idx)
+                v = jax.lax.dynamic_update_slice(kv[1], pack_heads(v.astype(kv[1].dtype), P), idx)
             kv = (k, v)
         else:
             (k, v), kv = shared, None

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posttrain.models import moe
-from posttrain.models.attention import Layout, softcap
+from posttrain.models.attention import Layout, kv_pack, softcap
 from posttrain.models.config import ModelConfig
 from posttrain.models.deltanet import GatedDeltaNet, LinearState
 from posttrain.models.layers import MLP, Attention, Buffer, RMSNorm, rope_cos_sin
@@ -133,7 +133,8 @@ class Block(nnx.Module):
 class KVCache:
     """Keys and values of every layer with its own (`cfg.cache_layers`), [B, K, S, H] each (K and H of
     that layer; empty [B, 0, S, 0] on a Gated DeltaNet layer, whose `LinearState` is in `linear`), plus slot
-    bookkeeping.
+    bookkeeping. On a TPU, heads narrower than its 128 lanes are stored P to a row, [B, K/P, S, P*H]
+    (attention.pack_heads: one token's write then stays in place); attention reads either form.
 
     pos [B, S] int32: the position of the token in each slot, -1 for an empty or padding slot.
     index: scalar int32, the next slot to write (the same for every row: prompts are left-padded).
@@ -148,11 +149,22 @@ class KVCache:
     linear: tuple = ()  # per cache layer: its LinearState (conv inputs, delta-rule state) or None (attention)
 
     @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, size: int, dtype=None) -> "KVCache":
+    def init(cls, cfg: ModelConfig, batch: int, size: int, dtype=None, pack: Optional[int] = None) -> "KVCache":
+        """pack: heads a row holds (attention.pack_heads); None: attention.kv_pack's choice for the backend (2
+        for 64-wide heads on a TPU, else 1)."""
         dtype = jnp.dtype(dtype or cfg.dtype)
         lin = [cfg.layer_type(i) == "linear" for i in range(cfg.cache_layers)]
-        shapes = [(batch, 0, size, 0) if lin[i] else (batch, cfg.layer_kv_heads(i), size, cfg.layer_head_dim(i))
-                  for i in range(cfg.cache_layers)]
+
+        def shape(i):
+            if lin[i]:
+                return (batch, 0, size, 0)
+            K, H = cfg.layer_kv_heads(i), cfg.layer_head_dim(i)
+            p = pack or kv_pack(H, K)
+            if K % p:
+                raise ValueError(f"a cache row cannot hold {p} of layer {i}'s {K} key/value heads")
+            return (batch, K // p, size, p * H)
+
+        shapes = [shape(i) for i in range(cfg.cache_layers)]
         conv = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim
         states = tuple(LinearState(jnp.zeros((batch, cfg.linear_conv_kernel - 1, conv), dtype), jnp.zeros(
             (batch, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim), jnp.float32)) if x else None
