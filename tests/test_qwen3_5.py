@@ -194,19 +194,23 @@ def test_prefix_shared_rows_equal_unshared_rows_logps_and_gradients(ckpt, chunk,
     shared, unshared = _shared_batch(groups), _unshared_batch(groups)
     # the reference rows [prompt | ci] without branch ids: the linear layers' plain path, not the branched one
     unshared = dict(unshared, branch_ids=jnp.zeros_like(unshared["branch_ids"]))
-    logps = jax.jit(lambda p, b, k: branch_logps(nnx.merge(graphdef, p), b, k)[0], static_argnums=2)
-    tok_s, tok_u = logps(params, shared, 3), logps(params, unshared, 1)
+    n_tokens = sum(len(c) for _, conts in groups for c in conts)
+    coef = jnp.asarray([[1.0, -0.5, 2.0], [0.3, 1.5, -1.0]]) / n_tokens
+
+    def objective(p, batch, k):  # (the weighted sum of the branches' log-probs, the per-token log-probs)
+        tok, sums, _ = branch_logps(nnx.merge(graphdef, p), batch, k)
+        return jnp.sum(sums * coef if k == 3 else sums[:, 0] * coef.reshape(-1)), tok
+
+    # one compiled forward + backward per layout gives both the log-probs and the gradients (two programs where
+    # four were compiled: the log-probs' own forward, then the gradient's)
+    grad = jax.jit(jax.grad(objective, has_aux=True), static_argnums=2)
+    (g_s, tok_s), (g_u, tok_u) = grad(params, shared, 3), grad(params, unshared, 1)
     for g, (_, conts) in enumerate(groups):
         off = 0
         for i, c in enumerate(conts):
             np.testing.assert_allclose(np.asarray(tok_s)[g, off:off + len(c)], np.asarray(tok_u)[g * 3 + i, :len(c)],
                                        atol=1e-5, rtol=0)
             off += len(c)
-    n_tokens = sum(len(c) for _, conts in groups for c in conts)
-    coef = jnp.asarray([[1.0, -0.5, 2.0], [0.3, 1.5, -1.0]]) / n_tokens
-    g_s = jax.jit(jax.grad(lambda p: jnp.sum(branch_logps(nnx.merge(graphdef, p), shared, 3)[1] * coef)))(params)
-    g_u = jax.jit(jax.grad(lambda p: jnp.sum(branch_logps(nnx.merge(graphdef, p), unshared, 1)[1][:, 0]
-                                             * coef.reshape(-1))))(params)
     flat_s, flat_u = dict(nnx.to_flat_state(g_s)), dict(nnx.to_flat_state(g_u))
     linear = [k for k in flat_s if "linear" in k]
     assert linear and all(float(jnp.abs(flat_s[k][...]).max()) > 1e-4 for k in linear)  # every linear part learns
