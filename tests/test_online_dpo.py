@@ -167,3 +167,28 @@ def test_cli_lora_resume_is_exact_and_bad_keys_exit_2(tmp_path, capsys):
     rc = cli.main(["online_dpo", "--config", cfg, "online_dpo.loss_type=hinge", f"run_dir={tmp_path / 'other'}"])
     err = capsys.readouterr().err
     assert rc == 2 and "online_dpo.loss_type" in err, err
+
+
+def test_the_sampler_on_its_own_devices_in_bfloat16(tmp_path):
+    """rollout.devices and rollout.dtype (the RL base's): the sampler's weights on the last two of the 8 virtual
+    devices in bfloat16, the training mesh on the first two; two steps train (the loss recomputes both
+    log-probs, so another sampling precision needs no correction). is_mode and max_staleness are refused."""
+    import jax
+
+    from posttrain.errors import PosttrainError
+
+    split = {"sharding.preset": "dp", "sharding.mesh_shape": {"data": 2}, "rollout.devices": 2,
+             "rollout.dtype": "bfloat16", "train.steps": 2}
+    trainer = OnlineDPOTrainer(config(tmp_path, **split), progress=False)
+    every = jax.devices()
+    assert set(trainer.mesh.devices.flat) == set(every[:2])
+    parts = trainer.setup()
+    parts.batches(parts.state)
+    leaves = jax.tree.leaves(parts.batches.sampler.state)
+    assert {d for x in leaves for d in x.devices()} == set(every[-2:])
+    assert any(x.dtype == np.dtype("bfloat16") for x in leaves)
+    result = trainer.train()
+    assert result["step"] == 2 and np.isfinite(result["loss"])
+    for key, value in (("is_mode", "token_mask"), ("max_staleness", 1)):
+        with pytest.raises(PosttrainError, match=f"rollout.{key} is not supported by online_dpo"):
+            OnlineDPOTrainer(config(tmp_path / key, **{f"rollout.{key}": value}), progress=False)

@@ -151,3 +151,21 @@ def test_bad_critic_and_reward_model_folders_name_the_key(tmp_path):
     head = from_pretrained(rm, head="score").score[...]
     np.testing.assert_array_equal(np.asarray(trainer.model.critic.score[...]), np.asarray(head))
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_the_sampler_on_its_own_devices_and_the_rollout_options_ppo_refuses(tmp_path):
+    """rollout.devices (the RL base's, as GRPO's): the training mesh on the first two of the 8 virtual devices,
+    the sampler's weights on the last two, pushed there; two steps train. rollout.dtype, is_mode and
+    max_staleness are refused by name (the loss takes the sampler's log-probs as the old policy's)."""
+    split = {"sharding.preset": "dp", "sharding.mesh_shape": {"data": 2}, "rollout.devices": 2, "train.steps": 2}
+    trainer = PPOTrainer(config(tmp_path, **split), progress=False)
+    every = jax.devices()
+    assert set(trainer.mesh.devices.flat) == set(every[:2])
+    parts = trainer.setup()
+    parts.batches(parts.state)
+    assert {d for x in jax.tree.leaves(parts.batches.sampler.state) for d in x.devices()} == set(every[-2:])
+    result = trainer.train()
+    assert result["step"] == 2 and np.isfinite(result["loss"])
+    for key, value in (("dtype", "bfloat16"), ("is_mode", "token_mask"), ("max_staleness", 1)):
+        with pytest.raises(PosttrainError, match=f"rollout.{key} is not supported by ppo"):
+            PPOTrainer(config(tmp_path / key, **{f"rollout.{key}": value}), progress=False)

@@ -18,7 +18,8 @@ run `run_model(config, tok)` rebuilds the module whose weights `trainable.safete
 `plan_rows(config)` gives `posttrain plan` the row length and the sampler's KV-cache tokens.
 
 A new trainer is one module under `posttrain/trainers/` (found by its `name` and `help`), its config
-and its docs (docs/ARCHITECTURE.md shows one).
+and its docs (docs/ARCHITECTURE.md shows one); a recipe whose policy samples while it trains subclasses
+`recipes.rl.RLRecipe`, which loads the prompts, rewards, policy and sampler for it.
 
 What it is not: the engine (`posttrain.train`), the run folder (`recipes.lifecycle`) or a loss (`losses/`).
 """
