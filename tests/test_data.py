@@ -201,6 +201,78 @@ def test_user_only_conversation_is_fine_without_assistant_only_loss(tok):
     )
 
 
+def seg(text, label):
+    return {"text": text, "label": label}
+
+
+def test_segments_format_masks_exactly_the_labelled_text(tok):
+    # An agent's episode: prompt (no), call (yes), tool output (no), answer (yes); then eos (yes).
+    row = {"segments": [seg("Q?", False), seg("<c>", True), seg("42", False), seg("A", True)], "prompt": "x"}
+    assert detect_format(row) == "segments"  # segments win over any other column
+    ids = [BOS, *b("Q?"), *b("<c>"), *b("42"), *b("A"), EOS]
+    mask = [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    assert tokenize_row(row, "f:1", tok) == (ids, mask)
+    # the labels are the mask: completion_only_loss / assistant_only_loss change nothing
+    assert tokenize_row(row, "f:1", tok, completion_only_loss=False, assistant_only_loss=False) == (ids, mask)
+    assert tokenize_row(row, "f:1", tok, add_eos=False) == (ids[:-1], mask[:-1])
+    # a labelled first segment: its BOS is labelled too (never a target: position 0 predicts it from nothing)
+    assert tokenize_row({"segments": [seg("hi", True)]}, "f:1", tok) == ([BOS, *b("hi"), EOS], [1, 1, 1, 1])
+    # empty texts add no tokens; an empty first segment still gives the BOS
+    row = {"segments": [seg("", False), seg("", True), seg("y", True)]}
+    assert tokenize_row(row, "f:1", tok) == ([BOS, *b("y"), EOS], [0, 1, 1])
+
+
+def test_segments_rows_load_and_pack_one_episode_a_segment(tmp_path, tok):
+    rows = [{"segments": [seg("ab", False), seg("c", True), seg("de", False), seg("f", True)]},
+            {"segments": [seg("g", False), seg("h", True)]}]
+    examples, counts = load_examples(write_jsonl(tmp_path / "e.jsonl", rows), tok, max_length=16)
+    assert counts == {"rows": 2, "skipped": 0, "truncated": 0, "dropped": 0}
+    assert examples[0].ids.tolist() == [BOS, *b("abcdef"), EOS] and examples[0].loss_mask.tolist() == [
+        0, 0, 0, 1, 0, 0, 1, 1]
+    packed = to_arrays(examples, 16, PAD, True)
+    first = [BOS, *b("abcdef"), EOS]
+    second = [BOS, *b("gh"), EOS]
+    assert packed["tokens"].tolist() == [first + second + [PAD] * 4]
+    assert packed["segment_ids"].tolist() == [[1] * 8 + [2] * 4 + [0] * 4]
+    assert packed["positions"].tolist() == [list(range(8)) + list(range(4)) + [0] * 4]
+    # position t is weighted by the label of token t + 1 of its own episode; nothing crosses episodes
+    assert packed["weights"].tolist() == [[0, 0, 1, 0, 0, 1, 1, 0] + [0, 1, 1, 0] + [0] * 4]
+    assert packed["targets"].tolist() == [first[1:] + [0] + second[1:] + [0] + [0] * 4]
+
+
+@pytest.mark.parametrize(
+    "row, pattern",
+    [
+        ({"segments": "hi"}, r"w\.jsonl:3: field 'segments' must be a non-empty list .*got a str"),
+        ({"segments": []}, r"w\.jsonl:3: field 'segments' must be a non-empty list .*got an empty list"),
+        ({"segments": [seg("a", True), "b"]}, r"w\.jsonl:3: segments\[1\] must be an object .*got a str"),
+        ({"segments": [{"label": True}]}, r"w\.jsonl:3: segments\[0\] has no 'text' string \(got null\)"),
+        ({"segments": [seg(7, True)]}, r"w\.jsonl:3: segments\[0\] has no 'text' string \(got a int\)"),
+        ({"segments": [seg("a", False), {"text": "b"}]}, r"w\.jsonl:3: segments\[1\]\.label must be true .*got null"),
+        ({"segments": [seg("a", "true")]}, r"w\.jsonl:3: segments\[0\]\.label must be true .*got a str"),
+        ({"segments": [seg("a", 1)]}, r"w\.jsonl:3: segments\[0\]\.label must be true .*got a int"),
+        ({"segments": [seg("a", False), seg("b", False)]}, r"w\.jsonl:3: no segment with \"label\": true has text"),
+        ({"segments": [seg("a", False), seg("", True)]}, r"w\.jsonl:3: no segment with \"label\": true has text"),
+        ({"segments": [seg("", True)]}, r"w\.jsonl:3: no segment with \"label\": true has text"),
+    ],
+)
+def test_bad_segments_rows_name_where_and_key(tok, row, pattern):
+    with pytest.raises(PosttrainError, match=pattern):
+        tokenize_row(row, "w.jsonl:3", tok)
+
+
+def test_bad_segments_rows_from_a_file_raise_or_are_skipped_and_counted(tmp_path, tok):
+    good = {"segments": [seg("q", False), seg("a", True)]}
+    path = write_jsonl(tmp_path / "s.jsonl", [good, {"segments": [seg("q", "no")]}, good,
+                                              {"segments": [seg("q", False)]}])
+    with pytest.raises(PosttrainError, match=r"s\.jsonl:2: segments\[0\]\.label must be true"):
+        load_examples(path, tok, max_length=32)
+    with pytest.warns(UserWarning, match=r"skipped 2 of 4 rows .*s\.jsonl:2"):
+        ex, counts = load_examples(path, tok, max_length=32, skip_bad_rows=True)
+    assert [e.where for e in ex] == [f"{path}:1", f"{path}:3"]
+    assert counts == {"rows": 4, "skipped": 2, "truncated": 0, "dropped": 0}
+
+
 # ---------------------------------------------------------------- load_examples
 
 

@@ -15,7 +15,8 @@ What it is:
   trainable (the policy did not write them), the actions are; `Episode` adds counts.
 - `run_episode(env, policy, row)`: drive an episode with `policy(transcript) -> action` (a
   scripted policy in tests, or a per-episode wrapper around a sampler).
-- `encode_segments(segments, encode)`: token ids and the loss mask (1 = trainable) of a segment list.
+- `encode_segments(segments, encode)`: token ids and the loss mask (1 = trainable) of a segment list (from
+  `data.formats`, where the SFT recipe's "segments" rows use it: an episode is SFT data as it is).
 - `verify_answer(row, final action)`: the built-in verifier (`env.verifier: answer`): 1.0 when the final
   action's answer (`#### N`, else its last number) equals row["answer"].
 
@@ -33,6 +34,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, Sequence, Union, 
 
 from posttrain.agentic.parsing import ToolCall, ToolCallError, parse_tool_call, render_tool_result
 from posttrain.agentic.tools import Tool
+from posttrain.data.formats import encode_segments  # noqa: F401  (re-exported: agentic.encode_segments)
 from posttrain.errors import PosttrainError
 from posttrain.rewards.functions import answers_match, extract_answer
 
@@ -153,18 +155,6 @@ def run_episode(env: ToolEnv, policy: Callable[[str], str], row: Mapping) -> Epi
         if done:
             return env.episode
         transcript += observation
-
-
-def encode_segments(segments: Sequence[Segment], encode: Callable[[str], list[int]]) -> tuple[list[int], list[int]]:
-    """(ids, mask) of the concatenated segments: `encode(text)` per segment (no special tokens; for a
-    Tokenizer pass `lambda s: tok.encode(s, add_special_tokens=False)`), mask 1 on trainable tokens."""
-    ids: list[int] = []
-    mask: list[int] = []
-    for text, trainable in segments:
-        piece = list(encode(text))
-        ids += piece
-        mask += [int(bool(trainable))] * len(piece)
-    return ids, mask
 
 
 def verify_answer(row: Mapping, final_action: str) -> float:

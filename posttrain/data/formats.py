@@ -1,8 +1,8 @@
 """Row formats: turn one dataset row into token ids and a loss mask.
 
 What it is: `tokenize_row(row, where, tok)` accepts the four TRL SFT dataset formats unchanged
-(https://huggingface.co/docs/trl/dataset_formats) and returns `(ids, loss_mask)` of equal
-length, loss_mask[i] = 1 when token i is a training target:
+(https://huggingface.co/docs/trl/dataset_formats), plus masked segments, and returns `(ids, loss_mask)`
+of equal length, loss_mask[i] = 1 when token i is a training target:
   - "text":        {"text": str}                      ids = encode(text) + [eos]; loss on all
   - "prompt_completion": {"prompt": str, "completion": str}
                    ids = encode(prompt) + encode(completion, no specials) + [eos];
@@ -13,6 +13,13 @@ length, loss_mask[i] = 1 when token i is a training target:
                    ids from the chat template of prompt + completion; loss on the completion
                    (completion_only_loss) and on assistant tokens (assistant_only_loss), both
                    when both are set, as TRL does.
+  - "segments":    {"segments": [{"text": str, "label": bool}, ...]}   (the shape of axolotl's template-free
+                   `input_output` rows) ids = encode(segments[0].text) + encode(each later text, no specials)
+                   + [eos]; loss exactly on the `"label": true` segments + eos. For text the model must learn
+                   with text it must not, in any order: an agent's episode (its calls and answer trained, the
+                   prompt and the tool outputs not). completion_only_loss / assistant_only_loss do not apply
+                   (the labels are the mask); a row with no labelled token is an error.
+                   `encode_segments(segments, encode)` is the same over [(text, trainable)] pairs.
 No eos is appended to chat formats: the template already ends each turn with its own end token.
 Assistant tokens come from the template's `{% generation %}` markers when it has them
 (transformers' return_assistant_tokens_mask); otherwise the conversation is rendered
@@ -27,24 +34,28 @@ What it is not: no file reading (`sources.py`), no truncation, padding or packin
 from __future__ import annotations
 
 import re
+from typing import Callable, Sequence
 
 from posttrain.errors import PosttrainError
 
-FORMATS = ("text", "prompt_completion", "messages", "conversational_prompt_completion")
+FORMATS = ("text", "prompt_completion", "messages", "conversational_prompt_completion", "segments")
 ACCEPTED = (
     '{"text": str}, {"prompt": str, "completion": str}, {"messages": [{"role": ..., "content": ...}, ...]}, '
-    'or {"prompt": [messages], "completion": [messages]}'
+    '{"prompt": [messages], "completion": [messages]}, or {"segments": [{"text": str, "label": bool}, ...]}'
 )
 # The same test transformers applies before honouring return_assistant_tokens_mask.
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 def detect_format(row: dict, where: str = "row") -> str:
-    """Which of FORMATS `row` is. Priority when several fields exist: messages, prompt/completion, text."""
+    """Which of FORMATS `row` is. Priority when several fields exist: segments, messages, prompt/completion,
+    text."""
     if not isinstance(row, dict):
         raise PosttrainError(
             f"{where}: a row must be an object (dict), got {type(row).__name__}; rows must be {ACCEPTED}"
         )
+    if "segments" in row:
+        return "segments"
     if "messages" in row:
         return "messages"
     if "prompt" in row or "completion" in row:
@@ -81,6 +92,8 @@ def tokenize_row(
 ) -> tuple[list[int], list[int]]:
     """(ids, loss_mask) for one row; every problem raises PosttrainError naming `where` and the field."""
     fmt = detect_format(row, where)
+    if fmt == "segments":
+        return _segments(row, where, tok, add_eos)
     if fmt == "text":
         text = _string(row, "text", where)
         ids = _with_eos(tok.encode(text), tok, add_eos, where)
@@ -103,6 +116,52 @@ def tokenize_row(
         prompt=prompt if completion_only_loss else None,
         assistant_only_loss=assistant_only_loss,
     )
+
+
+def encode_segments(
+    segments: Sequence[tuple[str, bool]], encode: Callable[[str], list[int]]
+) -> tuple[list[int], list[int]]:
+    """(ids, mask) of the concatenated segments: `encode(text)` per segment (no special tokens; for a
+    Tokenizer pass `lambda s: tok.encode(s, add_special_tokens=False)`), mask 1 on trainable tokens."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, trainable in segments:
+        piece = list(encode(text))
+        ids += piece
+        mask += [int(bool(trainable))] * len(piece)
+    return ids, mask
+
+
+def _segments(row: dict, where: str, tok, add_eos: bool) -> tuple[list[int], list[int]]:
+    """A "segments" row: the first text as `tok.encode` gives it (BOS), the others without specials, then eos."""
+    segs = row["segments"]
+    if not isinstance(segs, list) or not segs:
+        raise PosttrainError(
+            f"{where}: field 'segments' must be a non-empty list of {{\"text\": str, \"label\": bool}} objects, "
+            f"got {'an empty list' if isinstance(segs, list) else _kind(segs)}"
+        )
+    for i, s in enumerate(segs):
+        if not isinstance(s, dict):
+            raise PosttrainError(
+                f"{where}: segments[{i}] must be an object {{\"text\": str, \"label\": bool}}, got {_kind(s)}"
+            )
+        if not isinstance(s.get("text"), str):
+            raise PosttrainError(f"{where}: segments[{i}] has no 'text' string (got {_kind(s.get('text'))}); add "
+                                 f'the segment\'s text, e.g. "text": "..."')
+        if not isinstance(s.get("label"), bool):
+            raise PosttrainError(f"{where}: segments[{i}].label must be true (train on this text) or false (do not), "
+                                 f"got {_kind(s.get('label'))}")
+    first = tok.encode(segs[0]["text"])
+    rest_ids, rest_mask = encode_segments([(s["text"], s["label"]) for s in segs[1:]],
+                                          lambda text: tok.encode(text, add_special_tokens=False))
+    ids, mask = first + rest_ids, [int(segs[0]["label"])] * len(first) + rest_mask
+    if not any(mask[1:]):  # token 0 is never a target
+        raise PosttrainError(
+            f'{where}: no segment with "label": true has text, so the row has nothing to train on; label the '
+            f"text the model should learn true (or remove the row)"
+        )
+    full = _with_eos(ids, tok, add_eos, where)
+    return full, mask + [1] * (len(full) - len(ids))
 
 
 def _kind(value) -> str:
