@@ -143,3 +143,32 @@ def test_as_root_a_run_is_bounded_by_its_own_pids_and_memory_cgroups(monkeypatch
     assert any(s & 0x7F == 9 for s in statuses) and 0 in statuses, statuses  # some killed (OOM), some fit
     assert seen["pids.max"] == "11" and all(seen["removed"]), seen
     assert int(seen.get("memory.limit_in_bytes", seen.get("memory.max"))) == (128 + 32 + 64) << 20, seen
+
+
+def test_the_seccomp_filter_loads_once_when_threads_ask_together():
+    """CodeTests runs programs from 8 threads: their first calls, released together in a fresh process while the
+    first load is still under way (slowed down here), load libseccomp's extension module once (a second load was
+    seen to raise "Module 'seccomp' has already been imported") and all get the same filter."""
+    code = ("import importlib.util, threading, time\n"
+            "load, loads = importlib.util.module_from_spec, []\n"
+            "def slow(spec):\n"
+            "    loads.append(spec.name)\n"
+            "    time.sleep(0.3)\n"
+            "    return load(spec)\n"
+            "importlib.util.module_from_spec = slow\n"
+            "from posttrain.sandbox import _seccomp\n"
+            "gate, out, errors = threading.Barrier(8), [], []\n"
+            "def ask():\n"
+            "    gate.wait()\n"
+            "    try:\n"
+            "        out.append(_seccomp.seccomp_program())\n"
+            "    except Exception as e:\n"
+            "        errors.append(repr(e))\n"
+            "threads = [threading.Thread(target=ask) for _ in range(8)]\n"
+            "[t.start() for t in threads]; [t.join() for t in threads]\n"
+            "assert not errors, errors\n"
+            "assert loads.count('seccomp') <= 1, loads\n"
+            "assert len(out) == 8 and len(set(out)) == 1 and len(out[0]) > 100, [len(x) for x in out]\n"
+            "print('ok')\n")
+    r = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]

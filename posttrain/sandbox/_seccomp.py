@@ -14,6 +14,7 @@ import functools
 import os
 import sysconfig
 import tempfile
+import threading
 
 from posttrain.errors import PosttrainError
 
@@ -37,10 +38,20 @@ _TIOCSTI, _TIOCLINUX = 0x5412, 0x541C
 _SECCOMP_SO = "/usr/lib/python3/dist-packages"  # Debian's python3-seccomp (make setup installs it)
 
 
-@functools.lru_cache(maxsize=None)
+_LOAD = threading.RLock()  # lru_cache alone lets two threads' first calls load the extension module twice (CodeTests
+#                           runs programs from 8 threads: "Module 'seccomp' has already been imported")
+
+
 def seccomp_module():
     """libseccomp's own Python bindings: `import seccomp`, else Debian's python3-seccomp module file for this
-    interpreter's ABI (a venv does not see Debian's dist-packages). PosttrainError when neither is there."""
+    interpreter's ABI (a venv does not see Debian's dist-packages). PosttrainError when neither is there. Loaded
+    once a process, whichever thread asks first."""
+    with _LOAD:
+        return _load_module()
+
+
+@functools.lru_cache(maxsize=None)
+def _load_module():
     try:
         import seccomp
 
@@ -59,11 +70,16 @@ def seccomp_module():
     return module
 
 
-@functools.lru_cache(maxsize=None)
 def seccomp_program() -> bytes:
     """The filter as BPF (built once a process with libseccomp): allow by default, EPERM for `_DENIED_CALLS`, for
     clone with a namespace flag and for TIOCSTI / TIOCLINUX; ENOSYS for clone3 (its flags are out of a filter's
     reach; libc falls back to clone). Only the native ABI: another's calls (i386 int 0x80) kill the process."""
+    with _LOAD:
+        return _build_program()
+
+
+@functools.lru_cache(maxsize=None)
+def _build_program() -> bytes:
     sc = seccomp_module()
     f = sc.SyscallFilter(sc.ALLOW)
     eperm = sc.ERRNO(1)
