@@ -12,8 +12,8 @@ step each (train.steps counts these steps).
 
 Critic (`ppo.critic`): `separate` (its own Transformer with a value head, from the policy's start or
 `ppo.critic_path`) or `shared` (a value head on the policy), one NNX module with the policy
-(`rl/critic.py`: one train state, two AdamW chains). The reference is the policy with its LoRA
-adapters off (no copy) or a frozen copy of its start.
+(`rl/critic.py`, built by `recipes/critic.py`: one train state, two AdamW chains). The reference is the
+policy with its LoRA adapters off (no copy) or a frozen copy of its start.
 
 What it is not: GRPO (no critic, group advantages) or an off-policy method.
 """
@@ -33,9 +33,10 @@ from posttrain.losses.logps import branch_logps
 from posttrain.models.lora import adapters_off
 from posttrain.plan import flops_per_token
 from posttrain.recipes.build import build_model
+from posttrain.recipes.critic import check_reward_model, ppo_model, ppo_optimizer
 from posttrain.recipes.recipe import Parts
 from posttrain.recipes.rl import RLRecipe
-from posttrain.rl.critic import check_reward_model, critic_values, ppo_model, ppo_optimizer
+from posttrain.rl.critic import critic_values
 from posttrain.rl.ppo import AdaptiveKL, FixedKL, PPORollout, make_ppo_loss
 from posttrain.train import merge
 from posttrain.train.trainer import frozen_copy
