@@ -222,3 +222,32 @@ def test_demonstrations_never_train_on_tool_output():
         end = start + len(tok.encode(texts[2], add_special_tokens=False))
         assert not any(mask[start:end]) and not any(mask[:len(tok.encode(texts[0], add_special_tokens=False))])
         assert tool_task.verify(row, texts[3]) == 1.0
+
+
+def test_agentic_sft_rows_are_segments_rows_that_train_the_model_text_only():
+    """The agentic demo's SFT data (`demos.agentic.sft_rows`) in the SFT recipe's "segments" format: ids are
+    BOS + the episode's bytes + EOS; the trained tokens are the call and the answer (+ EOS), never the prompt
+    nor the tool output; about `tool_fraction` of the rows call the calculator."""
+    from posttrain.data import tokenize_row
+    from posttrain.demos.agentic import sft_rows
+    from posttrain.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    data = tool_task.make(2, seed=0, n_train=40, n_eval=2)
+    rows = sft_rows(data.prompts, tool_fraction=0.5, seed=0)
+    assert rows == sft_rows(data.prompts, tool_fraction=0.5, seed=0)  # the seed fixes which rows call
+    calls = 0
+    for row, demo, episode in zip(data.prompts, data.demos, rows):
+        ids, mask = tokenize_row(json.loads(json.dumps(episode)), "agentic", tok)
+        texts = [s["text"] for s in episode["segments"]]
+        assert ids == [tok.bos_id, *tok.encode("".join(texts), add_special_tokens=False), tok.eos_id]
+        assert texts[0] == row["prompt"] and not any(mask[:1 + len(row["prompt"])]) and mask[-1] == 1
+        trained = tok.decode([i for i, m in zip(ids[:-1], mask[:-1]) if m])
+        if len(texts) == 4:  # the demonstration: prompt, call, tool output, answer
+            calls += 1
+            assert [(s["text"], s["label"]) for s in episode["segments"]] == [(t, bool(m)) for t, m in demo]
+            assert trained == texts[1] + texts[3]
+        else:  # a direct answer (a guess)
+            assert [s["label"] for s in episode["segments"]] == [False, True]
+            assert trained == texts[1] == f"#### {row['answer']}"
+    assert 10 <= calls <= 30

@@ -16,9 +16,9 @@ final answer (`#### N`, else the last number of the final action, as the arithme
 equals the true value, else 0.0: only the answer counts, not whether the tool was used (an episode's
 tool use is counted by `ToolEnv`).
 `demonstration(row)` gives that episode as segments [(text, trainable)] with the calculator's real
-output, for SFT warm-up: a trainer encodes them (`env.encode_segments`) and trains where the mask is 1,
-so the tool output is never a target. `make_env(...)` is the `ToolEnv` with the calculator and
-this verifier.
+output, for SFT warm-up: as an SFT "segments" row (`data/formats.py`; `demos/agentic.py` writes them) the
+trainable segments are labelled and the tool output is never a target. `make_env(...)` is the `ToolEnv`
+with the calculator and this verifier.
 
 Difficulty (`LEVELS`, or a dict of knobs): `op` ("*" or "+"), `digits` (each operand has exactly
 this many digits), `operands` (how many numbers).
