@@ -259,13 +259,13 @@ def grpo(cfg):
         "optim": {"lr": 1e-5, "schedule": "constant", "max_grad_norm": 1.0},
         "train": {"steps": args.grpo_steps, "batch_size": P}, "run_dir": os.path.join(tmp, "run")})
     model = build(cfg)  # the benchmark's model (full vocabulary), not the preset sized to the byte tokenizer
-    with mock.patch.object(grpo_module, "build_model", lambda *a, **k: model):
+    with mock.patch("posttrain.recipes.rl.build_model", lambda *a, **k: model):  # RLRecipe builds the policy
         trainer = grpo_module.GRPOTrainer(gcfg, progress=False)
     trainer.reward_funcs, trainer.reward_weights = [even_fraction], [1.0]
     rng = np.random.default_rng(0)
     trainer.prompts = [Prompt(np.asarray([1] + rng.integers(3, cfg.vocab_size, L - 1).tolist(), np.int32), "", {})
                        for _ in range(P * (args.grpo_steps + 1))]
-    trainer.length = -(-(L + G * N) // 8) * 8
+    trainer.longest, trainer.length = L, -(-(L + G * N) // 8) * 8  # the prompt bucket and the row
     parts = trainer.setup()
     rollout = parts.batches
     rollout.prompts = trainer.prompts

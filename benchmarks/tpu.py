@@ -200,7 +200,7 @@ def grpo(P, G, L, N, remat):
         "optim": {"lr": 1e-6, "schedule": "constant", "max_grad_norm": 1.0},
         "train": {"steps": args.steps + 1, "batch_size": P}, "run_dir": os.path.join(tmp, "run")})
     model = build(cfg)
-    with mock.patch.object(gm, "build_model", lambda *a, **k: model):
+    with mock.patch("posttrain.recipes.rl.build_model", lambda *a, **k: model):  # RLRecipe builds the policy
         trainer = gm.GRPOTrainer(gcfg, progress=False)
     trainer.reward_funcs = [lambda prompts, completions, completion_ids, **_: [
         sum(t % 2 == 0 for t in ids) / max(1, len(ids)) for ids in completion_ids]]
@@ -208,7 +208,7 @@ def grpo(P, G, L, N, remat):
     rng = np.random.default_rng(0)
     trainer.prompts = [Prompt(np.asarray([1] + rng.integers(3, cfg.vocab_size, L - 1).tolist(), np.int32), "", {})
                        for _ in range(P * (args.steps + 2))]
-    trainer.length = -(-(L + G * N) // 8) * 8
+    trainer.longest, trainer.length = L, -(-(L + G * N) // 8) * 8  # the prompt bucket and the row
     parts = trainer.setup()
     rollout = parts.batches
     rollout.prompts = trainer.prompts
