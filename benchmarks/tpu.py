@@ -37,6 +37,9 @@ ap.add_argument("--steps", type=int, default=5, help="timed steps / calls after 
 ap.add_argument("--peak-flops", type=float, default=None, help="bf16 matmul FLOP/s for MFU (the peak section's)")
 ap.add_argument("--profile", default=None, help="trace one more call with jax.profiler into this folder and add "
                 "the device's per-op totals to the line (profile_ops)")
+ap.add_argument("--rollout-dtype", default=None, help="grpo: the sampler's precision (rollout.dtype), e.g. bfloat16 "
+                "beside a float32 model; the line gets the sampler/trainer mismatch KL (sampling/mismatch_kl)")
+ap.add_argument("--is-mode", default=None, help="grpo: rollout.is_mode, the mismatch correction (token_truncate, ...)")
 ap.add_argument("--hbm-gbs", type=float, default=819.0, help="HBM bandwidth, GB/s (v5e: 819)")
 args = ap.parse_args()
 
@@ -197,6 +200,7 @@ def grpo(P, G, L, N, remat):
         "data": {"train": os.path.join(tmp, "p.jsonl"), "max_prompt_length": L},
         "grpo": {"num_generations": G, "max_new_tokens": N, "temperature": 1.0, "beta": 0.0,
                  "rewards": {"last_number": 1.0}},
+        "rollout": {"dtype": args.rollout_dtype, "is_mode": args.is_mode},
         "optim": {"lr": 1e-6, "schedule": "constant", "max_grad_norm": 1.0},
         "train": {"steps": args.steps + 1, "batch_size": P}, "run_dir": os.path.join(tmp, "run")})
     model = build(cfg)
@@ -214,7 +218,7 @@ def grpo(P, G, L, N, remat):
     rollout.prompts = trainer.prompts
     import dataclasses
     rollout.params = dataclasses.replace(rollout.params, stop_ids=())
-    box, gens, upd = [parts.state], [], []
+    box, gens, upd, kls = [parts.state], [], [], []
 
     def run():
         t = time.perf_counter()
@@ -222,6 +226,8 @@ def grpo(P, G, L, N, remat):
         t1 = time.perf_counter()
         box[0], m = parts.step(box[0], batch)
         jax.block_until_ready(m)
+        if "sampling/mismatch_kl" in m:
+            kls.append(float(m["sampling/mismatch_kl"]))
         gens.append(rollout.metrics()["time/generate_s"])
         upd.append(time.perf_counter() - t1)
         return t1 - t
@@ -232,7 +238,9 @@ def grpo(P, G, L, N, remat):
     return {"prompts": P, "generations": G, "prompt_len": L, "new": N, "remat": remat, "row_tokens": trainer.length,
             "step_s": statistics.median(times), "first_step_s": first, "generate_s": statistics.median(gens[1:]),
             "update_s": u, "update_tok_s": tokens / u, "step_times": [round(t, 3) for t in times],
-            "update_model_flops_s": flops_per_token(cfg, trainer.length) * tokens / u}
+            "update_model_flops_s": flops_per_token(cfg, trainer.length) * tokens / u,
+            "rollout_dtype": args.rollout_dtype or args.dtype, "is_mode": args.is_mode,
+            "mismatch_kl": statistics.median(kls) if kls else None, "mismatch_kl_steps": kls}
 
 
 def main():

@@ -25,6 +25,8 @@ def test_demo_command_trains_evaluates_and_exports(tmp_path, capsys):
     each scored on the held-out questions and exported; summary.json, the table and the report."""
     import json
 
+    import jax
+
     from posttrain.models import count_params, from_pretrained
 
     assert main(["demo", "--out", str(tmp_path), "--quick"]) == 0
@@ -38,6 +40,8 @@ def test_demo_command_trains_evaluates_and_exports(tmp_path, capsys):
     assert all(f"[demo] {s['stage']}: held-out accuracy {s['accuracy']:.1%}" in out for s in stages)
     assert [s["kl"] is None for s in stages] == [True, True, True, False] and stages[-1]["kl"] >= 0
     assert summary["total_seconds"] >= sum(s["seconds"] for s in stages) - 1
+    # the device the stages ran on, named in the summary and the closing line (the tests' 8 host devices)
+    assert summary["device"] == f"cpu ({len(jax.devices())} devices)" and f"s on {summary['device']};" in out
     sizes = {}
     for s in stages:
         model = from_pretrained(str(tmp_path / s["stage"] / "hf"))

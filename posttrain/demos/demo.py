@@ -167,6 +167,15 @@ class Greedy:
         return self.sampler.generate(self.ids, params).texts(self.tok)
 
 
+def device_name() -> str:
+    """The device the stages ran on, as the summary names it: e.g. "cpu (1 device)", "TPU v5 lite (1 device)"."""
+    import jax
+
+    devs = jax.devices()
+    kind = "cpu" if devs[0].platform == "cpu" else devs[0].device_kind
+    return f"{kind} ({len(devs)} device{'s' if len(devs) > 1 else ''})"
+
+
 def run(out_dir: str = "runs/demo", progress: bool = True, quick: bool = False) -> dict:
     """Run the four stages into `out_dir` (each stage's folder starts fresh); returns the summary."""
     from posttrain.models import from_pretrained
@@ -182,7 +191,8 @@ def run(out_dir: str = "runs/demo", progress: bool = True, quick: bool = False) 
     addition.write_jsonl([{"prompt": r["prompt"], "answer": r["completion"]} for r in train],
                          f"{out}/data/prompts.jsonl")
     greedy = Greedy(byte_tokenizer(), [r["prompt"] for r in evals])
-    print(f"[demo] two-digit addition: {len(train)} training rows, {len(evals)} held-out questions"
+    device = device_name()
+    print(f"[demo] two-digit addition: {len(train)} training rows, {len(evals)} held-out questions, on {device}"
           + (" (quick: tiny step counts)" if quick else ""))
     rows = []
     for name, stage in STAGES:
@@ -199,9 +209,9 @@ def run(out_dir: str = "runs/demo", progress: bool = True, quick: bool = False) 
               + f", {rows[-1]['seconds']:.0f} s, Hugging Face folder {hf}")
     samples = [{"prompt": r["prompt"], "completion": t} for r, t in zip(evals[:8], texts)]  # the student's
     report = write_pipeline_report(out, [(name, f"{out}/{name}") for name, _ in STAGES], stages=rows, samples=samples)
-    summary = {"stages": rows, "total_seconds": round(time.perf_counter() - t_start, 1)}
+    summary = {"stages": rows, "total_seconds": round(time.perf_counter() - t_start, 1), "device": device}
     with open(f"{out}/summary.json", "w") as fh:
         json.dump(summary, fh, indent=2)
-    print("\n" + table(rows) + f"\n\n[demo] total {summary['total_seconds']:.0f} s; summary {out}/summary.json; "
-          f"report {report}")
+    print("\n" + table(rows) + f"\n\n[demo] total {summary['total_seconds']:.0f} s on {device}; "
+          f"summary {out}/summary.json; report {report}")
     return summary
