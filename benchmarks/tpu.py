@@ -154,12 +154,26 @@ def train(kind, B, T, M, remat):
 
     m, first, times = timed(run, args.steps)
     s = statistics.median(times)
+    mem = xla_memory(step, box[0], batch)
     p = plan(cfg, batch=B // M, seq_len=T, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat,
              trainable="lora" if kind == "lora" else "full", lora_rank=16)
     return {"n_params": count_params(box[0].params) + count_params(box[0].rest), "batch": B, "seq": T,
             "micro_batches": M, "remat": remat, "step_s": s, "step_times": [round(t, 4) for t in times],
             "first_step_s": first, "tok_s": B * T / s, "model_flops_s": flops_per_token(cfg, T) * B * T / s,
-            "loss": float(m["loss"]), "plan": {k: p[k] for k in (*KEYS, "total")}}
+            "loss": float(m["loss"]), "plan": {k: p[k] for k in (*KEYS, "total")}, "xla_memory": mem,
+            "plan_over_xla": p["total"] / mem["peak"] if "peak" in mem else None}
+
+
+def xla_memory(jitted, *example):
+    """The compiled program's own account of its memory (`memory_analysis`, the persistent cache makes the second
+    compile a load): arguments + outputs - donated aliases + temporaries, the peak it needs on the device."""
+    try:
+        ma = jitted.lower(*example).compile().memory_analysis()
+        parts = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+    except Exception as e:  # a backend without the analysis
+        return {"error": repr(e)[:200]}
+    parts["peak"] = parts["argument"] + parts["output"] - parts["alias"] + parts["temp"]
+    return parts
 
 
 def sample(B, P, N):
