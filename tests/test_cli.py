@@ -77,3 +77,18 @@ def test_generate_errors_exit_2(demo_run, capsys, tmp_path, argv, needle):
     assert main(["generate"] + argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("posttrain: error:") and needle in err and "Traceback" not in err
+
+
+def test_demo_runs_its_float32_matmuls_at_full_precision_on_a_tpu(monkeypatch):
+    """On a TPU the demo sets JAX's default matmul precision to "highest" for its stages and restores it after
+    (float32 operands otherwise pass through bfloat16 there); on a CPU it leaves the setting alone."""
+    import jax
+
+    from posttrain.demos import demo
+
+    seen = []
+    monkeypatch.setattr(demo, "_run", lambda *a: seen.append(jax.config.jax_default_matmul_precision) or {})
+    demo.run("unused")
+    monkeypatch.setattr(demo.jax, "default_backend", lambda: "tpu")
+    demo.run("unused")
+    assert seen == [None, "highest"] and jax.config.jax_default_matmul_precision is None
