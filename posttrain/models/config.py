@@ -15,7 +15,7 @@ each model's published config.json.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 from posttrain.errors import PosttrainError
 
@@ -36,6 +36,11 @@ class RopeConfig:
     beta_slow: float = 1.0  # yarn only: rotations where extrapolation ends (HF beta_slow)
     truncate: bool = True  # yarn only: round the correction range to whole dimensions (HF truncate)
     attention_factor: Optional[float] = None  # yarn only: cos / sin scale; None = 0.1 ln(factor) + 1 (HF)
+    # Qwen3-VL's interleaved M-RoPE (HF mrope_section): of the H/2 frequencies, index j rotates by the height
+    # position when j % 3 == 1 and j < 3 * s[1], by the width position when j % 3 == 2 and j < 3 * s[2], else by
+    # the temporal / text one; () = plain RoPE. Positions [3, B, T] select it; [B, T] positions (every axis
+    # equal) give plain RoPE
+    mrope_section: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.kind not in ("default", "linear", "llama3", "proportional", "yarn"):
@@ -116,6 +121,8 @@ class ModelConfig:
     linear_key_dim: int = 0  # size of a key head
     linear_value_dim: int = 0  # size of a value head
     linear_conv_kernel: int = 4  # taps of the causal depthwise convolution over the q, k, v channels
+    # Vision-language (#52): the vision tower's config (posttrain.vision.qwen_vl.VisionConfig); None = text only
+    vision: Optional[Any] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim",

@@ -120,14 +120,35 @@ def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
 
 def rope_cos_sin(positions, rope: RopeConfig, head_dim: int):
     """(cos, sin), each [B, T, R] float32 (R = `rotary_dim`, H unless partial), for positions [B, T] int (shared
-    by every layer using `rope`)."""
+    by every layer using `rope`); positions [3, B, T]: interleaved M-RoPE (`RopeConfig.mrope_section`)."""
     head_dim = rotary_dim(rope, head_dim)
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(rope, head_dim))  # [B, T, H/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     scale = rope_scale(rope)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if positions.ndim == 3:
+        cos, sin = mrope_mix(rope, cos), mrope_mix(rope, sin)
     if scale != 1.0:
-        return jnp.cos(emb) * scale, jnp.sin(emb) * scale
-    return jnp.cos(emb), jnp.sin(emb)
+        return cos * scale, sin * scale
+    return cos, sin
+
+
+def rope_lookup(rope: RopeConfig, cos, sin, positions):
+    """(cos, sin) of `positions` ([B, T], or [3, B, T] for M-RoPE) from tables [L, R] of positions 0 .. L - 1."""
+    c, s = jnp.take(cos, positions, axis=0), jnp.take(sin, positions, axis=0)
+    return (mrope_mix(rope, c), mrope_mix(rope, s)) if positions.ndim == 3 else (c, s)
+
+
+def mrope_mix(rope: RopeConfig, x):
+    """Interleaved M-RoPE (transformers' Qwen3-VL apply_interleaved_mrope): [3, ..., R] tables of the temporal,
+    height and width positions -> [..., R], column j taken from the axis that rotates frequency j % (R / 2)."""
+    half = x.shape[-1] // 2
+    axis = np.zeros(half, np.int32)
+    for a in (1, 2):
+        n = rope.mrope_section[a] * 3 if rope.mrope_section else 0
+        axis[a:n:3] = a
+    axis = np.concatenate([axis, axis])
+    return jnp.where(axis == 1, x[1], jnp.where(axis == 2, x[2], x[0]))
 
 
 def apply_rope(x, cos_sin):

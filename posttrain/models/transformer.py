@@ -32,7 +32,7 @@ from posttrain.models import moe
 from posttrain.models.attention import Layout, kv_pack, softcap
 from posttrain.models.config import ModelConfig
 from posttrain.models.deltanet import GatedDeltaNet, LinearState
-from posttrain.models.layers import MLP, Attention, Buffer, RMSNorm, rope_cos_sin
+from posttrain.models.layers import MLP, Attention, Buffer, RMSNorm, rope_cos_sin, rope_lookup
 from posttrain.models.moe import MoE
 from posttrain.sharding import constrain, param
 
@@ -206,6 +206,9 @@ class Transformer(nnx.Module):
         self.ple_model_proj = param(init(rngs.params(), (cfg.embed_dim, LP), pd), ("embed", None)) if LP else None
         self.ple_norm = RMSNorm(cfg.per_layer_dim, eps=cfg.norm_eps, unit_offset=cfg.norm_unit_offset,
                                 param_dtype=pd, names=(None,)) if LP else None
+        if cfg.vision is not None:  # a vision-language model's tower (Qwen3-VL), run by vision/qwen_vl.py
+            from posttrain.vision.qwen_vl import VisionTower
+            self.vision = VisionTower(cfg.vision, param_dtype=pd, rngs=rngs)
 
     def embed_tokens(self, tokens):
         dt = jnp.dtype(self.cfg.dtype)
@@ -260,7 +263,7 @@ class Transformer(nnx.Module):
 
     def forward(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None, branch_ids=None,
                 return_hidden=False, return_attn=False, return_logits=True, rope_tables=None,
-                return_router_logits=False, routes=None) -> ModelOutput:
+                return_router_logits=False, routes=None, embeds=None, deepstack=None) -> ModelOutput:
         """tokens, positions: [B, T] int; segment_ids: [B, T] int (0 = padding) or None;
         branch_ids: [B, T] int (0 = shared prefix, b > 0 = continuation b of a prefix-shared row) or None.
 
@@ -269,9 +272,13 @@ class Transformer(nnx.Module):
         return_router_logits: the router logits of every MoE layer (models/moe.py); without a cache they
         are also appended to the train step's router statistics (`moe.sow_router`).
         routes: [B, T, M, k] int, the experts each token used in each of the M MoE layers elsewhere (the
-        sampler's: `moe.chosen_experts`), replayed instead of this forward's top-k (-1: a token's own)."""
+        sampler's: `moe.chosen_experts`), replayed instead of this forward's top-k (-1: a token's own).
+        Vision-language inputs (vision/qwen_vl.py): embeds [B, T, D] instead of embed_tokens(tokens); positions
+        [3, B, T]: M-RoPE (the first axis orders masks and cache); deepstack: [B, T, D] arrays added to the first
+        layers' outputs."""
         B, T = tokens.shape
-        positions = positions.astype(jnp.int32)
+        rope_pos = positions = positions.astype(jnp.int32)
+        positions = positions[0] if positions.ndim == 3 else positions  # M-RoPE [3, B, T]: the text axis
         real_pos = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, -1)
         slots = jnp.arange(T, dtype=jnp.int32)
         new_branch = None if branch_ids is None else branch_ids.astype(jnp.int32)
@@ -292,15 +299,15 @@ class Transformer(nnx.Module):
             layout = Layout(real_pos, k_pos, slots + write, jnp.arange(cache.size, dtype=jnp.int32),
                             q_branch=new_branch, k_branch=k_branch)
         if rope_tables is None:
-            ropes = self._ropes(positions)
+            ropes = self._ropes(rope_pos)
         else:
-            ropes = {r: (jnp.take(c, positions, axis=0), jnp.take(s, positions, axis=0))
-                     for r, (c, s) in rope_tables.items()}
+            ropes = {r: rope_lookup(r[0], c, s, rope_pos) for r, (c, s) in rope_tables.items()}
 
         # return_attn: True (every layer) or the layers whose probabilities are wanted (distillation
         # maps a few); the others keep the blockwise attention, which never forms [T, S] probabilities.
         want = set(range(len(self.layers))) if return_attn is True else set(return_attn or ())
-        x = self.embed_tokens(tokens)
+        x = self.embed_tokens(tokens) if embeds is None else constrain(embeds.astype(self.cfg.dtype),
+                                                                         ("batch", "seq", "embed"))
         per_layer = None if self.ple_embed is None else self.per_layer_inputs(tokens, x)
         hidden, attns, kvs, routers = [x], [], [], []
         for i, blk in enumerate(self.layers):
@@ -318,6 +325,8 @@ class Transformer(nnx.Module):
             else:
                 x, kv, attn, router = blk(x, ropes[blk.rope], layout, kv, None if cache is None else cache.index,
                                           i in want, shared, ple, rt)
+            if deepstack is not None and i < len(deepstack):
+                x = x + deepstack[i].astype(x.dtype)
             if router is not None:
                 routers.append(router)
             kvs.append(kv)
