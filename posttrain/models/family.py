@@ -69,6 +69,16 @@ class Family:
     multimodal: Optional[str] = None  # model_type of a multimodal folder whose text_config is this family
     text_prefix: str = "model."  # where that folder keeps the text model's weights
     multimodal_error: Optional[Callable[[str, dict], PosttrainError]] = None  # loading that folder without text_only
+    vision: Optional["VisionHooks"] = None  # that folder loads with its vision tower (Qwen3-VL): how to read / write it
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionHooks:
+    """A vision-language family's tower (`ModelConfig.vision`): read from and written to its multimodal folder."""
+
+    config: Callable[[dict, str], Any]  # (the folder's config.json dict, where) -> ModelConfig.vision
+    names: Callable[[Any], dict]  # ModelConfig.vision -> the tower's weight-map entries (hf_names.weight_map's form)
+    to_hf: Callable[[Any, dict], dict]  # (ModelConfig.vision, the text model's config dict) -> the folder's config.json
 
 
 _BY_TYPE: dict[str, Family] = {}

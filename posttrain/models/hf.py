@@ -156,7 +156,7 @@ def _read_config(path: str, text_only: bool) -> tuple[ModelConfig, str]:
         raise PosttrainError(f"{cfg_file}: invalid JSON ({e})") from None
     mt = raw.get("model_type")
     multimodal = family_of_multimodal(mt)
-    if multimodal and not text_only:
+    if multimodal and not text_only and multimodal.vision is None:
         raise multimodal.multimodal_error(cfg_file, raw)
     if mt not in supported() and not multimodal:
         raise PosttrainError(
@@ -166,9 +166,10 @@ def _read_config(path: str, text_only: bool) -> tuple[ModelConfig, str]:
     hf, tied = read_hf_config(raw, cfg_file)
     if not multimodal:
         return config_from_hf(hf, cfg_file), "model."
-    # The text model's lm_head is tied (or not) by the outer config, as in Gemma4ForConditionalGeneration.
+    # The outer config ties the text model's lm_head (or not), as Gemma4ForConditionalGeneration; Qwen3-VL: the tower
+    vision = multimodal.vision.config(raw, cfg_file) if multimodal.vision and not text_only else None
     cfg = config_from_hf(hf, f"{cfg_file} text_config")
-    return cfg.replace(tie_embeddings=tied), multimodal.text_prefix
+    return cfg.replace(tie_embeddings=tied, vision=vision), multimodal.text_prefix
 
 
 def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype: Optional[str] = None,

@@ -137,6 +137,8 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
                             for i in range(cfg.num_layers)]
     fam.config_to_hf(cfg, d)
     d["dtype"] = cfg.param_dtype
+    if cfg.vision is not None:  # a vision-language folder: the text config nested in the family's own
+        d = fam.vision.to_hf(cfg.vision, d)
     d.update(extra)
     return d
 

@@ -55,6 +55,8 @@ def weight_map(cfg: ModelConfig, head: Optional[str] = None,
     """head=None: the causal LM (lm_head unless tied); "score": a sequence classifier (score, no lm_head).
     prefix: where the backbone's weights live (a multimodal Gemma 4 folder: `model.language_model.`)."""
     fam = family_named(cfg.family)
+    if cfg.vision is not None:  # a vision-language folder: the text model under the family's prefix, the tower
+        prefix = fam.text_prefix
     gemma_sandwich = cfg.sandwich_norm
     ident = (lambda a: a, lambda a: [a])
     m: dict = {("embed",): ([prefix + "embed_tokens.weight"], *ident),
@@ -88,6 +90,8 @@ def weight_map(cfg: ModelConfig, head: Optional[str] = None,
             m[("layers", i, "mlp_norm", "scale")] = ([p + "post_attention_layernorm.weight"], *ident)
     if fam is not None:
         fam.weight_names(m, cfg, prefix)
+    if cfg.vision is not None:
+        m.update(fam.vision.names(cfg.vision))
     return m
 
 

@@ -4,7 +4,7 @@ error messages list them in); the table's lookups are re-exported here so that w
 built-ins registered first."""
 
 # isort: skip_file
-from posttrain.models.families import llama, qwen, gemma, gemma4, gpt_oss, qwen3_5  # noqa: F401  (they register)
+from posttrain.models.families import llama, qwen, gemma, gemma4, gpt_oss, qwen3_5, qwen3_vl  # noqa: F401, E501
 from posttrain.models.family import (  # noqa: F401
     Family,
     families,
