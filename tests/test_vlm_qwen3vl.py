@@ -3,14 +3,17 @@ transformers' Qwen3VLForConditionalGeneration, on a tiny random folder built loc
 (q/k of the text and vision attention scaled, norms and tables drawn away from their init, so each part moves the
 logits). Images go through posttrain's own preprocessing (vision.qwen_vl_patches) for both models."""
 
+import json
 import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from hf_models import QK_SCALE
 from PIL import Image
+from safetensors import safe_open
 
 from posttrain.models import from_pretrained, save_pretrained
 from posttrain.models.transformer import KVCache
@@ -102,11 +105,16 @@ def hf_logits(hf, tokens, mask, pixels, grids):
     return out.logits.numpy()
 
 
+@nnx.jit(static_argnums=4)
+def _forward(model, tokens, pos, pixels, grids, mask):
+    return image_forward(model, tokens, pos, pixels, grids, segment_ids=mask).logits
+
+
 def our_logits(model, tokens, mask, pixels, grids):
+    """Jitted, as training runs it (the grids are static: they fix the tower's shapes)."""
     pos, _ = rope_index(tokens, mask, grids, model.cfg.vision)
-    out = image_forward(model, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(pixels), grids,
-                        segment_ids=jnp.asarray(mask))
-    return np.asarray(out.logits)
+    return np.asarray(_forward(model, jnp.asarray(tokens), jnp.asarray(pos), jnp.asarray(pixels),
+                               tuple(map(tuple, np.asarray(grids).tolist())), jnp.asarray(mask)))
 
 
 def check(a, b, mask):
@@ -171,10 +179,21 @@ def test_greedy_matches_transformers(hf, ours):
     assert len(set(got)) > 3  # not one token repeated
 
 
-def test_export_round_trip(hf, ours, tmp_path):
+def test_export_round_trip(ckpt, hf, ours, tmp_path):
     from transformers import Qwen3VLForConditionalGeneration
 
     out = save_pretrained(ours, os.fspath(tmp_path / "export"))
+    src, dst = (json.load(open(os.path.join(d, "config.json"))) for d in (ckpt, out))
+    for key in ("model_type", "architectures", "image_token_id", "video_token_id", "vision_start_token_id",
+                "vision_end_token_id", "tie_word_embeddings"):
+        assert dst[key] == src[key], key
+    for part in ("text_config", "vision_config"):
+        for key in (TEXT if part == "text_config" else VISION):  # (token ids come from the tokenizer on export)
+            if key.endswith("token_id"):
+                continue
+            assert dst[part][key] == src[part][key], (part, key)
+    names = [set(safe_open(os.path.join(d, "model.safetensors"), "numpy").keys()) for d in (ckpt, out)]
+    assert names[0] == names[1]
     back = Qwen3VLForConditionalGeneration.from_pretrained(out, dtype=torch.float32,
                                                            attn_implementation="eager").eval()
     tokens, mask, pixels, grids = batch([[(16, 24)], [(24, 16), (32, 32)]])
