@@ -22,8 +22,10 @@ $(STAMP): pyproject.toml requirements.lock
 demo: $(STAMP) bwrap
 	$(VPY) -m posttrain.cli demo
 
-test: $(STAMP) lint browser bwrap real-model package
-	$(VPY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+# The whole suite on 2 workers, with the package check (make package) beside it at a lower priority
+# (scripts/test_all.sh: its pip waits fill the cores the suite leaves idle).
+test: $(STAMP) lint browser bwrap real-model
+	VPY=$(VPY) bash scripts/test_all.sh
 
 # The edit loop: the suite without what conftest.py marks slow (files of whole training runs, processes, real
 # checkpoints), but with those files' core parity checks (conftest FAST_TESTS: logits per model family vs
