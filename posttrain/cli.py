@@ -150,7 +150,7 @@ def _plan(args) -> None:
 def _export(args) -> None:
     if args.best and not args.run:
         raise PosttrainError("export --best needs --run RUN_DIR (the run's best evaluated checkpoint)")
-    if args.gguf:  # one GGUF file (models/gguf.py) instead of a Hugging Face folder
+    if args.gguf:  # one GGUF file (models/gguf/) instead of a Hugging Face folder
         if args.out or bool(args.run) == bool(args.model):
             raise PosttrainError("export --gguf FILE takes exactly one of --run RUN_DIR or --model HF_DIR, and no "
                                  "--out")

@@ -1,4 +1,4 @@
-"""GGUF in and out (posttrain/models/gguf.py, `posttrain convert` and `posttrain export --gguf`).
+"""GGUF in and out (posttrain/models/gguf/, `posttrain convert` and `posttrain export --gguf`).
 
 Tiny checks (a random Llama made with transformers and a real byte-level BPE tokenizer trained here): our GGUF
 export read back by transformers' own GGUF loader (the independent reader) gives the HF folder's logits (f32 to

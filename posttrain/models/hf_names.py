@@ -1,5 +1,5 @@
 """Hugging Face tensor names <-> posttrain parameter paths (`weight_map`), for every family: what
-`models/hf.py` reads and writes and `models/gguf.py` exports. Fused posttrain layouts (qkv, gate/up, experts)
+`models/hf.py` reads and writes and `models/gguf/` exports. Fused posttrain layouts (qkv, gate/up, experts)
 are split back into HF names on the way out. A family adds or replaces names through its Family record
 (`models/family.py`: `weight_names`, `expert_names`; Qwen3-Next's fused on-disk tensors: `fused_names`)."""
 
