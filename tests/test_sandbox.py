@@ -43,7 +43,7 @@ def test_a_fork_bomb_gets_max_processes_tasks_and_leaves_none_behind(monkeypatch
     RLIMIT_NPROC for a user namespace that root owns: a pids cgroup caps the run; before it, a fork bomb filled the
     host's PID table, ~29 000 tasks, and other processes failed to fork); nothing of the run is left after it."""
     made = []  # this run's cgroups (other test workers' sandboxes make their own at the same time)
-    monkeypatch.setattr(S, "_cgroups", lambda *a, real=S._cgroups: made.extend(real(*a)) or made)
+    monkeypatch.setattr(S, "make_cgroups", lambda *a, real=S.make_cgroups: made.extend(real(*a)) or made)
     code = ("import os, time\nn = 0\ntry:\n    while n < 5000:\n        if os.fork() == 0:\n"
             "            time.sleep(30)\n            os._exit(0)\n        n += 1\n"
             "except OSError as e:\n    print(n, e.errno, flush=True)\n")
@@ -123,7 +123,7 @@ def test_as_root_a_run_is_bounded_by_its_own_pids_and_memory_cgroups(monkeypatch
     """Each process within RLIMIT_AS, together beyond the run's memory cgroup (memory_mb + disk_mb + 64 MB): the
     kernel kills within the run, and the cgroups carry the limits and are gone after it."""
     seen = {}
-    real_remove = S._remove_cgroup
+    real_remove = S.remove_cgroup
 
     def remove(path):
         for name in ("pids.max", "memory.limit_in_bytes", "memory.max"):
@@ -133,7 +133,7 @@ def test_as_root_a_run_is_bounded_by_its_own_pids_and_memory_cgroups(monkeypatch
         real_remove(path)
         seen.setdefault("removed", []).append(not os.path.exists(path))
 
-    monkeypatch.setattr(S, "_remove_cgroup", remove)
+    monkeypatch.setattr(S, "remove_cgroup", remove)
     code = ("import os\nkids = []\nfor _ in range(6):\n    pid = os.fork()\n    if pid == 0:\n"
             "        x = b'x' * (100 << 20)\n        import time\n        time.sleep(2)\n        os._exit(0)\n"
             "    kids.append(pid)\nprint([os.waitpid(k, 0)[1] for k in kids])\n")

@@ -47,11 +47,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
-import secrets
-import select
 import shlex
 import shutil
 import signal
@@ -66,6 +63,15 @@ from typing import Any, Callable, Mapping, Optional
 from posttrain.errors import PosttrainError
 from posttrain.sandbox._seccomp import seccomp_fd as _seccomp_fd
 from posttrain.sandbox._seccomp import seccomp_program as _seccomp_program  # noqa: F401  (tests check it)
+from posttrain.sandbox.channel import Channel
+from posttrain.sandbox.processes import (
+    fresh_uid,
+    kill_group,
+    kill_uid,
+    make_cgroups,
+    remove_cgroup,
+    wait_unreaped,
+)
 
 MODES = ("auto", "bwrap", "uid", "unsafe_inprocess_guard")
 _GUARD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_guard.py")
@@ -73,7 +79,6 @@ MEMORY_RC = 3  # the child's exit status after a MemoryError (see _guard.py)
 BOX = "/sandbox"  # inside bwrap: the read-only program folder
 WORK = "/tmp"  # inside bwrap: the one writable folder (a private tmpfs)
 RUN = "run"  # inside bwrap: the program's working folder, WORK/RUN (fresh and empty)
-_UID_BASE = 1 << 20  # "uid" mode: fresh uids from here on (no /etc/passwd entry needed)
 _SIGNALS = {signal.SIGXCPU: "the CPU-time limit was exceeded", signal.SIGKILL: "the process was killed",
             signal.SIGSEGV: "the process crashed (segmentation fault)", signal.SIGABRT: "the process aborted"}
 
@@ -160,7 +165,7 @@ class Sandbox:
                 os.mkdir(work, 0o700)
                 os.chmod(outer, 0o755)
                 if backend == "uid":
-                    uid = _fresh_uid()
+                    uid = fresh_uid()
                     os.chown(work, uid, uid)
             limits = [str(self.memory_mb << 20), str(cpu), str(self.max_file_mb << 20), str(self.max_open_files),
                       str(self.max_processes if backend != "unsafe_inprocess_guard" else -1), str(int(self.guard))]
@@ -173,7 +178,7 @@ class Sandbox:
                 env["POSTTRAIN_REPLY_FD"] = str(channel[3])
             if backend == "bwrap":
                 if os.geteuid() == 0:  # + bwrap, its init and the set-up shell
-                    cgroups = _cgroups(self.max_processes + 3, (self.memory_mb + self.disk_mb + 64) << 20)
+                    cgroups = make_cgroups(self.max_processes + 3, (self.memory_mb + self.disk_mb + 64) << 20)
                 fds = (_seccomp_fd(),)
                 argv = _bwrap_argv(self, outer, box, env, child, fds[0], cgroups)
             elif backend == "uid":
@@ -189,7 +194,7 @@ class Sandbox:
                 for fd in owned:
                     os.close(fd)
                 for cgroup in cgroups:
-                    _remove_cgroup(cgroup)
+                    remove_cgroup(cgroup)
 
     def _launch(self, argv, env, outer, work, stdin, uid, backend, fds=(), driver=None, channel=None, owned=None):
         with open(os.path.join(outer, "stdout"), "w+b") as out, open(os.path.join(outer, "stderr"), "w+b") as err, \
@@ -207,19 +212,19 @@ class Sandbox:
                     owned.discard(fd)
                     os.close(fd)
                 try:
-                    value = driver(_Channel(channel[1], channel[2], start + self.timeout_s, self.max_output_bytes))
+                    value = driver(Channel(channel[1], channel[2], start + self.timeout_s, self.max_output_bytes))
                 except BaseException as e:  # noqa: B036  (re-raised below, once the run is cleaned up)
                     failure = e
                 owned.discard(channel[1])
                 os.close(channel[1])  # EOF on the program's stdin: it is done
-            timed_out = not _wait_unreaped(proc.pid, start + self.timeout_s)
-            _kill_group(proc.pid)  # before reaping: the group id cannot belong to anyone else yet
+            timed_out = not wait_unreaped(proc.pid, start + self.timeout_s)
+            kill_group(proc.pid)  # before reaping: the group id cannot belong to anyone else yet
             rc = None if timed_out else proc.wait()
             proc.wait()
             if backend == "bwrap" and rc is not None and rc > 128:  # bwrap reports its child's signal as 128 + n
                 rc = 128 - rc
             if uid is not None:
-                _kill_uid(uid)
+                kill_uid(uid)
             seconds = time.monotonic() - start
             stdout, stderr = (_read_head(fh, self.max_output_bytes) for fh in (out, err))
         result = SandboxResult(_status(rc, timed_out, stderr), stdout, stderr, rc, seconds, backend)
@@ -239,37 +244,6 @@ class Sandbox:
         if r.status == "error":
             return f"Error: the program exited with status {r.returncode}."
         return ""
-
-
-class _Channel:
-    """`ask(obj)`: one JSON line to the program, the next JSON line back (see `Sandbox.drive`), within a deadline."""
-
-    def __init__(self, write_fd: int, read_fd: int, deadline: float, max_bytes: int):
-        self.write_fd, self.read_fd, self.deadline, self.max_bytes, self.buffer = write_fd, read_fd, deadline, \
-            max_bytes, b""
-        os.set_blocking(write_fd, False)
-
-    def _wait(self, fd: int, write: bool) -> None:
-        left = self.deadline - time.monotonic()
-        ready = select.select([], [fd], [], max(left, 0)) if write else select.select([fd], [], [], max(left, 0))
-        if not any(ready):
-            raise TimeoutError("sandbox: the program did not answer within the time limit")
-
-    def __call__(self, obj: Any) -> Any:
-        data = (json.dumps(obj) + "\n").encode()
-        while data:
-            self._wait(self.write_fd, True)
-            data = data[os.write(self.write_fd, data):]
-        while b"\n" not in self.buffer:
-            if len(self.buffer) > self.max_bytes:
-                raise ValueError(f"sandbox: the program's answer is longer than {self.max_bytes} bytes")
-            self._wait(self.read_fd, False)
-            chunk = os.read(self.read_fd, 1 << 16)
-            if not chunk:
-                raise EOFError("sandbox: the program closed its channel (it exited or was killed)")
-            self.buffer += chunk
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        return json.loads(line)
 
 
 def _status(rc, timed_out, stderr) -> str:
@@ -306,12 +280,6 @@ def _python_dirs(python: str) -> list[str]:
     return [d for d in dirs if not any(d != o and d.startswith(o + "/") for o in dirs)]
 
 
-def _fresh_uid() -> int:
-    """A uid (and gid) of its own for one run: no /etc/passwd entry, no files, no processes, no keys, and its own
-    per-user kernel quotas (processes, inotify instances, key quota)."""
-    return _UID_BASE + secrets.randbelow(1 << 20)
-
-
 @functools.lru_cache(maxsize=None)
 def _reachable(folder: str) -> bool:
     """Whether any uid may pass through every folder down to `folder` and read it (else it is staged)."""
@@ -334,7 +302,7 @@ def _bwrap_argv(box: "Sandbox", outer: str, prog: str, env: Mapping[str, str], c
     traverse): a uid that cannot traverse where they live (pyenv under /root, mode 700) still reaches them."""
     root = os.geteuid() == 0
     q = shlex.quote
-    uid = _fresh_uid() if root else 0  # not root: uid 0 of the set-up namespace, which is this user outside
+    uid = fresh_uid() if root else 0  # not root: uid 0 of the set-up namespace, which is this user outside
     work = os.path.join(outer, "work")
     os.mkdir(work, 0o700)
     lines = ["set -e"] + [f"echo $$ > {q(os.path.join(c, 'cgroup.procs'))}" for c in cgroups]
@@ -421,98 +389,6 @@ def _probe(backend: str, python: str) -> Optional[str]:
     if r.status != "ok" or r.stdout.strip() != "ok":
         return (r.stderr.strip().splitlines() or [f"exit status {r.returncode}"])[-1][:200]
     return None
-
-
-def _wait_unreaped(pid: int, deadline: float) -> bool:
-    """Wait until the child exits or `deadline` (time.monotonic) passes, without reaping it (WNOWAIT), so
-    its pid, which is also its process group's id, stays taken until the group has been killed. True if
-    it exited."""
-    delay = 0.001
-    while True:
-        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-            return True
-        now = time.monotonic()
-        if now >= deadline:
-            return False
-        time.sleep(min(delay, deadline - now))
-        delay = min(delay * 2, 0.02)
-
-
-def _kill_group(pgid: int) -> None:
-    """SIGKILL the child's process group (it leads its own session). Behind bwrap this kills bwrap, and
-    with it the PID namespace and every process in it."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _cgroups(pids: int, memory_bytes: int) -> list[str]:
-    """As root: fresh cgroups for one run, `pids` tasks and `memory_bytes` of memory (page cache, tmpfs and kernel
-    memory included), cgroup v1's pids and memory hierarchies or one v2 group; [] where none can be made.
-    Without the pids limit a fork bomb as root filled the host's PID table (the kernel does not apply RLIMIT_NPROC to
-    a user namespace root owns); without the memory limit memfd and SysV shm held more than RLIMIT_AS."""
-    made = []
-    name = f"posttrain-sandbox-{secrets.token_hex(6)}"
-    v1 = (("/sys/fs/cgroup/pids", (("pids.max", pids),)),
-          ("/sys/fs/cgroup/memory", (("memory.limit_in_bytes", memory_bytes), ("memory.memsw.limit_in_bytes",
-                                                                              memory_bytes))))
-    v2 = (("/sys/fs/cgroup", (("pids.max", pids), ("memory.max", memory_bytes), ("memory.swap.max", 0))),)
-    for root, files in v1 if os.path.isdir("/sys/fs/cgroup/pids") else v2:
-        path = os.path.join(root, name)
-        try:
-            os.mkdir(path)
-        except OSError:
-            continue
-        made.append(path)
-        for fname, value in files:
-            try:
-                with open(os.path.join(path, fname), "w") as f:
-                    f.write(str(value))
-            except OSError:  # a limit this kernel does not offer (no swap accounting): the others still hold
-                pass
-    return made
-
-
-def _remove_cgroup(path: str) -> None:
-    """SIGKILL whatever is left in the run's cgroup, then remove it."""
-    for _ in range(200):
-        try:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                pids = [int(p) for p in f.read().split()]
-        except OSError:
-            return
-        _sigkill(pids)
-        try:
-            os.rmdir(path)
-            return
-        except OSError:
-            time.sleep(0.01)
-
-
-def _kill_uid(uid: int) -> None:
-    """SIGKILL every process whose real uid is `uid` ("uid" mode: the run's own uid), until none is left."""
-    for _ in range(50):
-        pids = []
-        for name in os.listdir("/proc"):
-            if name.isdigit():
-                try:
-                    if os.stat(f"/proc/{name}").st_uid == uid:
-                        pids.append(int(name))
-                except OSError:
-                    pass
-        if not pids:
-            return
-        _sigkill(pids)
-        time.sleep(0.01)
-
-
-def _sigkill(pids) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 def _read_head(fh, max_bytes: int) -> str:
