@@ -6,7 +6,10 @@ Masking rule (the only one; `Layout` carries its inputs): a query attends a key 
   - both are in the same segment (packing; segment 0 is padding),
   - the key is in the shared prefix (branch 0) or in the query's own branch (prefix-shared rows:
     a prompt once, then k continuations as branches 1..k, each attending the prompt and itself),
-  - on sliding-window layers, q_pos - k_pos < window (by position, query included).
+  - on sliding-window layers, q_pos - k_pos < window (by position, query included),
+  except that the two rules above (causal, window) give way inside an image block (image ids, `Layout.q_image`:
+  0 = text, b > 0 = image b of the row): a query attends every key of its own image, before or after it, as
+  transformers' Gemma 3 `token_type_ids` mask ((causal and window) or same image; then padding, segments, branches).
 A query with no key to attend outputs zeros. Attention sinks (GPT-OSS, `sinks` [K, G]): a learned logit per
 query head joins every row's softmax as one more key whose value is zero, so a row's probabilities sum to less
 than 1.
@@ -53,6 +56,7 @@ class Layout:
     q_pos / k_pos: positions, -1 for padding (queries) and empty or padding slots (keys).
     q_slot [T] / k_slot [S]: slot indices (causal order), the same for every row.
     q_seg / k_seg: segment ids (packing) or None; q_branch / k_branch: branch ids or None.
+    q_image / k_image: image block ids (0 = text; a vision-language model's images) or None.
     causal_aligned (static): queries are keys 0..T-1 (no cache): the causal triangle of tiles
     is known at trace time.
     """
@@ -65,22 +69,27 @@ class Layout:
     k_seg: Optional[jax.Array] = None
     q_branch: Optional[jax.Array] = None
     k_branch: Optional[jax.Array] = None
+    q_image: Optional[jax.Array] = None
+    k_image: Optional[jax.Array] = None
     causal_aligned: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def mask(self, window: Optional[int]) -> jax.Array:
         """The [B, T, S] bool mask."""
         return _mask(self.q_pos, self.k_pos, self.q_slot, self.k_slot, self.q_seg, self.k_seg,
-                     self.q_branch, self.k_branch, window)
+                     self.q_branch, self.k_branch, window, self.q_image, self.k_image)
 
 
-def _mask(q_pos, k_pos, q_slot, k_slot, q_seg, k_seg, q_br, k_br, window):
-    m = (k_pos[:, None, :] >= 0) & (k_slot[None, None, :] <= q_slot[None, :, None])
+def _mask(q_pos, k_pos, q_slot, k_slot, q_seg, k_seg, q_br, k_br, window, q_img=None, k_img=None):
+    order = k_slot[None, None, :] <= q_slot[None, :, None]  # causal, and within the window
+    if window is not None:
+        order = order & ((q_pos[:, :, None] - k_pos[:, None, :]) < window)
+    if q_img is not None:  # both ways inside one image
+        order = order | ((q_img[:, :, None] == k_img[:, None, :]) & (q_img[:, :, None] != 0))
+    m = (k_pos[:, None, :] >= 0) & order
     if q_seg is not None:
         m &= q_seg[:, :, None] == k_seg[:, None, :]
     if q_br is not None:
         m &= (k_br[:, None, :] == 0) | (k_br[:, None, :] == q_br[:, :, None])
-    if window is not None:
-        m &= (q_pos[:, :, None] - k_pos[:, None, :]) < window
     return m
 
 
@@ -98,7 +107,8 @@ def attention(q, k, v, layout: Layout, *, window: Optional[int], scale: float, c
     if impl == "auto":
         impl = choose(jax.default_backend(), T=q.shape[1], S=k.shape[2], branches=layout.q_branch is not None,
                       softcap=cap is not None or sinks is not None, cached=not layout.causal_aligned,
-                      return_probs=return_probs, window=window is not None, sinks=sinks is not None)
+                      return_probs=return_probs, window=window is not None, sinks=sinks is not None,
+                      images=layout.q_image is not None)
     if impl == "dense" or return_probs:  # dense reads a packed cache as it is
         return dense(q, k, v, layout.mask(window), scale=scale, cap=cap, return_probs=return_probs, sinks=sinks)
     if k.shape[-1] != q.shape[-1]:  # a packed cache (pack_heads): the tiled paths read heads apart
@@ -144,13 +154,14 @@ def unpack_heads(x, head_dim: int):
 
 
 def choose(backend: str, *, T: int, S: int, branches: bool, softcap: bool, cached: bool,
-           return_probs: bool = False, window: bool = False, sinks: bool = False) -> str:
-    """The implementation for these static facts (see the module docstring). `softcap` is true with sinks too."""
+           return_probs: bool = False, window: bool = False, sinks: bool = False, images: bool = False) -> str:
+    """The implementation for these static facts (see the module docstring). `softcap` is true with sinks too;
+    `images`: image blocks (bidirectional inside each), which only dense and blockwise express."""
     if return_probs or T == 1 or max(T, S) <= DENSE_MAX:
         return "dense"
-    if backend == "gpu" and not (branches or softcap or cached):
+    if backend == "gpu" and not (branches or softcap or cached or images):
         return "cudnn"
-    if backend == "tpu" and not (branches or cached or window or sinks):
+    if backend == "tpu" and not (branches or cached or window or sinks or images):
         return "splash"
     return "blockwise"
 
@@ -213,7 +224,7 @@ def blockwise(q, k, v, layout: Layout, *, window, scale, cap, block_q: Optional[
     lay = _padded_layout(layout, Tp, Sp)
     q, k, v = _pad(q, 1, Tp), _pad(k, 2, Sp), _pad(v, 2, Sp)
     nq, nk = Tp // bq, Sp // bk
-    if layout.causal_aligned:  # tiles wholly above the diagonal can never be attended
+    if layout.causal_aligned and layout.q_image is None:  # tiles wholly above the diagonal are never attended
         pairs = [(i, j) for i in range(nq) for j in range(nk) if j * bk <= (i + 1) * bq - 1]
     else:
         pairs = [(i, j) for i in range(nq) for j in range(nk)]
@@ -239,6 +250,8 @@ def _padded_layout(lay: Layout, Tp: int, Sp: int) -> Layout:
         k_seg=None if lay.k_seg is None else _pad(lay.k_seg, 1, Sp),
         q_branch=None if lay.q_branch is None else _pad(lay.q_branch, 1, Tp),
         k_branch=None if lay.k_branch is None else _pad(lay.k_branch, 1, Sp),
+        q_image=None if lay.q_image is None else _pad(lay.q_image, 1, Tp),
+        k_image=None if lay.k_image is None else _pad(lay.k_image, 1, Sp),
         causal_aligned=lay.causal_aligned and T == S and Tp == Sp)
 
 
@@ -246,8 +259,8 @@ def _active_tiles(lay: Layout, window, bq: int, bk: int) -> jax.Array:
     """[nq, nk] bool: may any query of tile i attend any key of tile j in some row? (conservative)
 
     From per-tile summaries: slot range (causal), real keys, segment and branch ranges (packed
-    segments and branches increase along a row), and the smallest query minus the largest key
-    position (window)."""
+    segments and branches increase along a row), the smallest query minus the largest key
+    position (window), and image-id ranges (a shared image lifts the causal and window tests)."""
     B, Tp = lay.q_pos.shape
     big = jnp.int32(2 ** 30)
 
@@ -262,7 +275,17 @@ def _active_tiles(lay: Layout, window, bq: int, bk: int) -> jax.Array:
 
     q_slot_max = lay.q_slot.reshape(-1, bq).max(-1)
     k_slot_min = lay.k_slot.reshape(-1, bk).min(-1)
-    act = (k_slot_min[None, None, :] <= q_slot_max[None, :, None]) & k_real.any(-1)[:, None, :]
+    order = jnp.broadcast_to(k_slot_min[None, None, :] <= q_slot_max[None, :, None],
+                             (B, q_slot_max.shape[0], k_slot_min.shape[0]))
+    if window is not None:
+        qlo, _ = rng(lay.q_pos, q_real, bq)
+        _, khi = rng(lay.k_pos, k_real, bk)
+        order &= (qlo[:, :, None] - khi[:, None, :]) < window
+    if lay.q_image is not None:
+        qlo, qhi = rng(lay.q_image, q_real & tiles(lay.q_image != 0, bq), bq)
+        klo, khi = rng(lay.k_image, k_real & tiles(lay.k_image != 0, bk), bk)
+        order |= (qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None])
+    act = order & k_real.any(-1)[:, None, :]
     act &= q_real.any(-1)[:, :, None]
     if lay.q_seg is not None:
         qlo, qhi = rng(lay.q_seg, q_real, bq)
@@ -274,10 +297,6 @@ def _active_tiles(lay: Layout, window, bq: int, bk: int) -> jax.Array:
         qlo, qhi = rng(lay.q_branch, q_real, bq)
         klo, khi = rng(lay.k_branch, k_real & (kb != 0), bk)
         act &= has_prefix[:, None, :] | ((qlo[:, :, None] <= khi[:, None, :]) & (klo[:, None, :] <= qhi[:, :, None]))
-    if window is not None:
-        qlo, _ = rng(lay.q_pos, q_real, bq)
-        _, khi = rng(lay.k_pos, k_real, bk)
-        act &= (qlo[:, :, None] - khi[:, None, :]) < window
     return act.any(0)
 
 
@@ -290,7 +309,8 @@ def _tile_mask(lay: Layout, window, i, j, bq, bk):
 
     opt = lambda f, x: None if x is None else f(x)  # noqa: E731
     return _mask(qs(lay.q_pos), ks(lay.k_pos), qs(lay.q_slot), ks(lay.k_slot), opt(qs, lay.q_seg),
-                 opt(ks, lay.k_seg), opt(qs, lay.q_branch), opt(ks, lay.k_branch), window)
+                 opt(ks, lay.k_seg), opt(qs, lay.q_branch), opt(ks, lay.k_branch), window, opt(qs, lay.q_image),
+                 opt(ks, lay.k_image))
 
 
 def _tile_scores(a, b, m, scale, cap, spec="bkgth,bksh->bkgts"):

@@ -263,7 +263,7 @@ class Transformer(nnx.Module):
 
     def forward(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None, branch_ids=None,
                 return_hidden=False, return_attn=False, return_logits=True, rope_tables=None,
-                return_router_logits=False, routes=None, embeds=None, deepstack=None) -> ModelOutput:
+                return_router_logits=False, routes=None, embeds=None, deepstack=None, image_ids=None) -> ModelOutput:
         """tokens, positions: [B, T] int; segment_ids: [B, T] int (0 = padding) or None;
         branch_ids: [B, T] int (0 = shared prefix, b > 0 = continuation b of a prefix-shared row) or None.
 
@@ -275,16 +275,19 @@ class Transformer(nnx.Module):
         sampler's: `moe.chosen_experts`), replayed instead of this forward's top-k (-1: a token's own).
         Vision-language inputs (vision/qwen_vl.py): embeds [B, T, D] instead of embed_tokens(tokens); positions
         [3, B, T]: M-RoPE (the first axis orders masks and cache); deepstack: [B, T, D] arrays added to the first
-        layers' outputs."""
+        layers' outputs; image_ids: [B, T] int, 0 = text, b > 0 = image block b, whose
+        tokens also attend each other in both directions (Gemma 3: vision/gemma3.py, models/attention.py; with a
+        cache, within this call's tokens)."""
         B, T = tokens.shape
         rope_pos = positions = positions.astype(jnp.int32)
         positions = positions[0] if positions.ndim == 3 else positions  # M-RoPE [3, B, T]: the text axis
         real_pos = positions if segment_ids is None else jnp.where(segment_ids != 0, positions, -1)
         slots = jnp.arange(T, dtype=jnp.int32)
         new_branch = None if branch_ids is None else branch_ids.astype(jnp.int32)
+        q_image = None if image_ids is None else image_ids.astype(jnp.int32)
         if cache is None:
             layout = Layout(real_pos, real_pos, slots, slots, segment_ids, segment_ids, new_branch, new_branch,
-                            causal_aligned=True)
+                            q_image=q_image, k_image=q_image, causal_aligned=True)
             k_pos = k_branch = None
         else:
             write = cache.index
@@ -296,8 +299,11 @@ class Transformer(nnx.Module):
             elif k_branch is not None:  # new tokens without ids continue the shared prefix's view
                 new_branch = jnp.zeros((B, T), jnp.int32)
                 k_branch = jax.lax.dynamic_update_slice(k_branch, new_branch, (0, write))
+            # an image's block lies within one call (its prefill): earlier slots are text to it
+            k_image = None if q_image is None else jax.lax.dynamic_update_slice(jnp.zeros_like(cache.pos), q_image,
+                                                                                (0, write))
             layout = Layout(real_pos, k_pos, slots + write, jnp.arange(cache.size, dtype=jnp.int32),
-                            q_branch=new_branch, k_branch=k_branch)
+                            q_branch=new_branch, k_branch=k_branch, q_image=q_image, k_image=k_image)
         if rope_tables is None:
             ropes = self._ropes(rope_pos)
         else:
@@ -306,8 +312,8 @@ class Transformer(nnx.Module):
         # return_attn: True (every layer) or the layers whose probabilities are wanted (distillation
         # maps a few); the others keep the blockwise attention, which never forms [T, S] probabilities.
         want = set(range(len(self.layers))) if return_attn is True else set(return_attn or ())
-        x = self.embed_tokens(tokens) if embeds is None else constrain(embeds.astype(self.cfg.dtype),
-                                                                         ("batch", "seq", "embed"))
+        x = self.embed_tokens(tokens) if embeds is None else constrain(embeds.astype(jnp.dtype(self.cfg.dtype)),
+                                                                        ("batch", "seq", "embed"))
         per_layer = None if self.ple_embed is None else self.per_layer_inputs(tokens, x)
         hidden, attns, kvs, routers = [x], [], [], []
         for i, blk in enumerate(self.layers):
