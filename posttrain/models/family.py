@@ -69,7 +69,9 @@ class Family:
     multimodal: Optional[str] = None  # model_type of a multimodal folder whose text_config is this family
     text_prefix: str = "model."  # where that folder keeps the text model's weights
     multimodal_error: Optional[Callable[[str, dict], PosttrainError]] = None  # loading that folder without text_only
-    vision: Optional["VisionHooks"] = None  # that folder loads with its vision tower (Qwen3-VL): how to read / write it
+    vision: Optional["VisionHooks"] = None  # that folder loads with its tower inside the Transformer (Qwen3-VL)
+    other_text_prefixes: tuple = ()  # other places such a folder may keep the text model (read when text_prefix is not)
+    vision_model: Optional["VisionFamily"] = None  # that folder loads as a model beside the Transformer (Gemma 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +81,20 @@ class VisionHooks:
     config: Callable[[dict, str], Any]  # (the folder's config.json dict, where) -> ModelConfig.vision
     names: Callable[[Any], dict]  # ModelConfig.vision -> the tower's weight-map entries (hf_names.weight_map's form)
     to_hf: Callable[[Any, dict], dict]  # (ModelConfig.vision, the text model's config dict) -> the folder's config.json
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionFamily:
+    """A family's multimodal folder loaded whole: the vision tower and projector beside the text model (Gemma 3).
+    `hf.from_pretrained` builds it with `build` and fills it through `weight_names`; `hf.save_pretrained` writes
+    it back through the same names and `config_to_hf`."""
+
+    architecture: str  # transformers' class ("Gemma3ForConditionalGeneration")
+    read: Callable[[dict, str], Any]  # (config.json, where) -> the folder's vision config (may raise PosttrainError)
+    build: Callable[[ModelConfig, Any, Any], Any]  # (text ModelConfig, vision config, nnx.Rngs) -> the model
+    # (the text model's weight map, vision config, HF key -> file or None when saving) -> the whole model's map
+    weight_names: Callable[[dict, Any, Optional[dict]], dict]
+    config_to_hf: Callable[[Any, dict], dict]  # (vision config, the text model's config.json dict) -> config.json
 
 
 _BY_TYPE: dict[str, Family] = {}

@@ -44,7 +44,7 @@ from safetensors.numpy import save_file
 
 from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig
-from posttrain.models.families import family_of_multimodal
+from posttrain.models.families import family_named, family_of_multimodal
 
 # config_from_hf and config_to_hf are re-exported: `from posttrain.models.hf import config_from_hf` keeps working
 from posttrain.models.hf_config import (  # noqa: F401
@@ -137,12 +137,14 @@ def tensor_files(path: str) -> dict[str, str]:
 
 
 def load_config(path: str, text_only: bool = False) -> ModelConfig:
-    """ModelConfig of a HF folder (config.json only); text_only: the text model of a multimodal `gemma4` folder."""
+    """ModelConfig of a HF folder (config.json only); text_only: the text model of a multimodal `gemma4` folder.
+    A vision-language folder (`gemma3`) gives its text model's config either way."""
     return _read_config(path, text_only)[0]
 
 
-def _read_config(path: str, text_only: bool) -> tuple[ModelConfig, str]:
-    """(ModelConfig, prefix of the backbone's weight names)."""
+def _read_config(path: str, text_only: bool) -> tuple:
+    """(ModelConfig, prefix of the backbone's weight names, the multimodal folder's family or None, its vision config
+    when the folder loads as a vision-language model, else None)."""
     if not os.path.isdir(path):
         raise PosttrainError(f"{path}: model folder does not exist; pass a local Hugging Face checkpoint folder")
     cfg_file = os.path.join(path, "config.json")
@@ -156,7 +158,7 @@ def _read_config(path: str, text_only: bool) -> tuple[ModelConfig, str]:
         raise PosttrainError(f"{cfg_file}: invalid JSON ({e})") from None
     mt = raw.get("model_type")
     multimodal = family_of_multimodal(mt)
-    if multimodal and not text_only and multimodal.vision is None:
+    if multimodal and not text_only and multimodal.vision is None and multimodal.vision_model is None:
         raise multimodal.multimodal_error(cfg_file, raw)
     if mt not in supported() and not multimodal:
         raise PosttrainError(
@@ -165,11 +167,14 @@ def _read_config(path: str, text_only: bool) -> tuple[ModelConfig, str]:
     # config.json read as transformers' config classes read it, without importing transformers (and torch)
     hf, tied = read_hf_config(raw, cfg_file)
     if not multimodal:
-        return config_from_hf(hf, cfg_file), "model."
-    # The outer config ties the text model's lm_head (or not), as Gemma4ForConditionalGeneration; Qwen3-VL: the tower
-    vision = multimodal.vision.config(raw, cfg_file) if multimodal.vision and not text_only else None
+        return config_from_hf(hf, cfg_file), "model.", None, None
+    # The outer config ties the text model's lm_head (or not), as Gemma4ForConditionalGeneration. A vision tower:
+    # Qwen3-VL's is part of the Transformer (ModelConfig.vision, Family.vision); Gemma 3's is a model beside the
+    # Transformer (Family.vision_model: the folder's vision config here, its model built in from_pretrained)
     cfg = config_from_hf(hf, f"{cfg_file} text_config")
-    return cfg.replace(tie_embeddings=tied, vision=vision), multimodal.text_prefix
+    tower = multimodal.vision.config(raw, cfg_file) if multimodal.vision and not text_only else None
+    vision = multimodal.vision_model.read(raw, cfg_file) if multimodal.vision_model and not text_only else None
+    return cfg.replace(tie_embeddings=tied, vision=tower), multimodal.text_prefix, multimodal, vision
 
 
 def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype: Optional[str] = None,
@@ -177,7 +182,8 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     """Load a HF checkpoint folder into a Transformer (parameters in `dtype`).
 
     text_only: load the text model of a multimodal `gemma4` folder (its vision and audio towers are
-    not supported; without this flag such a folder is an error saying so).
+    not supported; without this flag such a folder is an error saying so). A vision-language `gemma3` folder
+    loads whole (`vision/gemma3.py`'s Gemma3VL, its text model at `.text`) unless text_only.
 
     With a `mesh`, each tensor is placed directly with its logical sharding under `rules`
     (default: the fsdp_tp rules), so the model never lands whole on one device.
@@ -187,10 +193,14 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
         raise PosttrainError(f"from_pretrained: head={head!r}; use one of {HEADS}")
     dtype = canonical_dtype(dtype)
     compute_dtype = canonical_dtype(compute_dtype, "compute_dtype")
-    cfg, prefix = _read_config(path, text_only)
+    cfg, prefix, fam, vision = _read_config(path, text_only)
     cfg = cfg.replace(param_dtype=dtype, dtype=compute_dtype or dtype)
+    if vision is not None and head is not None:
+        raise PosttrainError(f"{path}: a vision-language folder has no {head} head; pass text_only=True")
 
     def build():
+        if vision is not None:
+            return fam.vision_model.build(cfg, vision, nnx.Rngs(0))
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         if head == "score":
             from posttrain.models.heads import attach_score_head
@@ -207,7 +217,11 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     files = tensor_files(path)
     checked: set = set()
     handles: dict = {}
+    if fam is not None:  # a multimodal folder may keep its text model under another prefix
+        prefix = next((p for p in (prefix, *fam.other_text_prefixes) if p + "embed_tokens.weight" in files), prefix)
     wmap = weight_map(cfg, head, prefix)
+    if vision is not None:
+        wmap = fam.vision_model.weight_names(wmap, vision, files)
     fused_map = fused_names(cfg, prefix)  # Qwen3-Next: names held inside one fused tensor on disk
     fused = {part: (key, j) for key, (parts, _, _) in fused_map.items() for j, part in enumerate(parts)}
     flat = dict(nnx.to_flat_state(state))
@@ -296,7 +310,11 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
         config_extra = {"architectures": [cls], "id2label": {str(i): f"LABEL_{i}" for i in labels},
                         "label2id": {f"LABEL_{i}": i for i in labels}, **config_extra}
     tensors: dict[str, np.ndarray] = {}
-    for key, (names, _, save, *_alt) in weight_map(cfg, head).items():
+    fam = family_named(cfg.family)
+    vision = fam.vision_model if fam is not None and not isinstance(model, Transformer) else None
+    wmap = weight_map(cfg, head) if vision is None else vision.weight_names(
+        weight_map(cfg, head, fam.text_prefix), model.vcfg, None)
+    for key, (names, _, save, *_alt) in wmap.items():
         arr = np.asarray(jax.device_get(flat[key][...])).astype(out_dtype)
         for n, a in zip(names, save(arr)):
             tensors[n] = np.ascontiguousarray(a)
@@ -335,6 +353,8 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
             tokenizer.save_pretrained(tmp)
         hf_cfg = config_to_hf(cfg, **extra)
         hf_cfg["dtype"] = str(out_dtype)
+        if vision is not None:  # the text model's config inside the vision-language folder's
+            hf_cfg = dict(vision.config_to_hf(model.vcfg, hf_cfg), dtype=str(out_dtype))
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(hf_cfg, fh, indent=2)
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as fh:  # what a later export may replace

@@ -2,13 +2,15 @@
 by (1 + w), embeddings times sqrt(hidden_size), tied output head. Gemma 2 adds sandwich norms (after attention,
 around the MLP), a query scale of query_pre_attn_scalar^-1/2, tanh soft-capping of attention scores and logits,
 and alternating sliding / full layers; Gemma 3 drops the soft-caps for q and k RMSNorms, slides five layers of
-six and gives the sliding layers their own RoPE (`rope_parameters` per layer type; legacy `rope_local_base_freq`).
+six and gives the sliding layers their own RoPE (`rope_parameters` per layer type; legacy `rope_local_base_freq`);
+its vision-language folders (`gemma3`) are families/gemma3_vl.py's.
 Per transformers 5.12's GemmaConfig, Gemma2Config, Gemma3TextConfig and their modeling files. A family module:
 records for `models/family.py`'s table."""
 
 from __future__ import annotations
 
 from posttrain.models.config import ModelConfig
+from posttrain.models.families import gemma3_vl
 from posttrain.models.family import Family, register_family, sliding_layer_types, standardize_rope
 
 GEMMA_FIELDS = dict(norm_unit_offset=True, embed_scale=True)  # every Gemma (Gemma 4 turns the offset off again)
@@ -89,4 +91,7 @@ GEMMA3 = register_family(Family(
                   sliding_window=4096, final_logit_softcapping=None, attn_logit_softcapping=None,
                   use_bidirectional_attention=False),
     post_init=_gemma3_post_init, rope_init=_gemma3_rope, fields=dict(GEMMA_FIELDS, qk_norm=True),
-    config_fields=_softcap_fields, config_to_hf=_softcap_to_hf, rope_by_layer_type=True, layer_types_always=True))
+    config_fields=_softcap_fields, config_to_hf=_softcap_to_hf, rope_by_layer_type=True, layer_types_always=True,
+    # a `gemma3` folder (Gemma3ForConditionalGeneration): whole (families/gemma3_vl.py), or its text model (text_only)
+    multimodal=gemma3_vl.MULTIMODAL, text_prefix=gemma3_vl.TEXT_PREFIX,
+    other_text_prefixes=gemma3_vl.OTHER_TEXT_PREFIXES, vision_model=gemma3_vl.GEMMA3_VISION))
