@@ -22,6 +22,8 @@ Sequence classifiers (reward models): a model with a score head (`models/heads.p
 Gemma 4 (`models/families/gemma4.py` holds its fields and extra names): `gemma4_text` folders load like any
 other; a multimodal `gemma4` folder loads its text model only when asked (`text_only=True`), since
 its vision and audio towers are not supported; it then exports as a `gemma4_text` folder.
+A vision-language `gemma3` folder loads whole (a family's `VisionFamily`: `models/families/gemma3_vl.py`, the model
+`vision/gemma3.py`'s Gemma3VL) and exports back as one; with `text_only=True`, its text model alone.
 
 What it is not: a downloader. Paths are local folders; nothing is fetched from a hub.
 The tensor names of each family are `models/hf_names.py`'s weight_map.
