@@ -63,7 +63,8 @@ class ModelSection(Section):
     matmul_precision: Literal["default", "high", "highest"] | None = None
     seed: Seed = 0  # PRNG seed of a preset's weights, LoRA adapters (and their dropout) and new heads
     # model.path is a multimodal Gemma 4 folder (model_type gemma4): load its text model only (the
-    # vision and audio towers are not supported); default false
+    # vision and audio towers are not supported); a Gemma 3 vision-language folder (gemma3): its text model
+    # (the recipes take no images yet); default false
     text_only: bool = False
 
     def __post_init__(self):

@@ -135,8 +135,6 @@ SLOW_TESTS = {
     "test_kv_pack.py": {"test_sampler_with_a_packed_cache_equals_the_plain_one[gemma2]",
                         "test_sampler_with_a_packed_cache_equals_the_plain_one[qwen3]"},
     "test_hf_config_json.py": {"test_loading_a_model_folder_imports_no_torch"},  # a subprocess; make package runs it
-    # 12.7 s on 2 shared cores: 48 transformers forwards and four compiled programs (full forward, prefill, decode)
-    "test_vlm_gemma3.py": {"test_greedy_equals_transformers"},
 }
 
 

@@ -21,7 +21,7 @@ import torch
 from flax import nnx
 from hf_models import QK_SCALE
 
-from posttrain.models import KVCache, Transformer, from_pretrained, save_pretrained
+from posttrain.models import Transformer, from_pretrained, save_pretrained
 from posttrain.models import attention as attention_module
 from posttrain.vision.gemma3 import Gemma3VL, image_blocks
 from posttrain.vision.preprocess import gemma3_pixels
@@ -209,9 +209,8 @@ def test_attention_mask_and_gradients_with_image_blocks():
 
 def test_greedy_equals_transformers(model, hf_model):
     """24 greedy tokens: transformers without a cache (argmax of a full forward each step) against posttrain's
-    repeated full forwards over one right-padded buffer, and against posttrain's KV cache (prefill with the images,
-    then one token a call; the Sampler does not take images yet). All choose among the text tokens (ids below the
-    image tokens): a generated image token would be an image without pixels."""
+    repeated full forwards over one right-padded buffer (the Sampler's KV cache: the next test). Both choose among
+    the text tokens (ids below the image tokens): a generated image token would be an image without pixels."""
     rng = np.random.default_rng(5)
     prompts = [row(rng, [2, "I", 3]), row(rng, ["I", 5, "I"])]
     pixels = gemma3_pixels(images(3, seed=6), size=32)
@@ -219,15 +218,17 @@ def test_greedy_equals_transformers(model, hf_model):
     want = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 2 shared cores: one torch thread runs these tiny forwards faster (as test_gguf.py)
-    for i, p in enumerate(prompts):
-        ids = torch.tensor([p])
-        pix = torch.tensor(pixels[:1] if i == 0 else pixels[1:])
-        with torch.no_grad():
-            for _ in range(steps):
-                logits = hf_model(input_ids=ids, pixel_values=pix, token_type_ids=(ids == IMAGE).long()).logits
-                ids = torch.cat([ids, logits[:, -1, :IMAGE].argmax(-1, keepdim=True)], dim=1)
-        want.append(ids[0, len(p):].tolist())
-    torch.set_num_threads(threads)
+    try:
+        for i, p in enumerate(prompts):
+            ids = torch.tensor([p])
+            pix = torch.tensor(pixels[:1] if i == 0 else pixels[1:])
+            with torch.no_grad():
+                for _ in range(steps):
+                    logits = hf_model(input_ids=ids, pixel_values=pix, token_type_ids=(ids == IMAGE).long()).logits
+                    ids = torch.cat([ids, logits[:, -1, :IMAGE].argmax(-1, keepdim=True)], dim=1)
+            want.append(ids[0, len(p):].tolist())
+    finally:
+        torch.set_num_threads(threads)
 
     size = max(len(p) for p in prompts) + steps
     tokens = np.zeros((2, size), np.int32)
@@ -244,14 +245,6 @@ def test_greedy_equals_transformers(model, hf_model):
         logits = m(tokens, positions, pixels, segment_ids=seg).logits
         return jnp.argmax(logits[jnp.arange(2), lengths - 1, :IMAGE], axis=-1)
 
-    @jax.jit
-    def decode(state, tokens, positions, cache):
-        return nnx.merge(graphdef, state)(tokens, positions, cache=cache)
-
-    @jax.jit
-    def prefill(state, tokens, positions, pixels, cache):
-        return nnx.merge(graphdef, state)(tokens, positions, pixels, cache=cache)
-
     got = [[], []]
     for _ in range(steps):
         nxt = np.asarray(step(state, jnp.asarray(tokens), jnp.asarray(lengths), jnp.asarray(pixels)))
@@ -260,18 +253,6 @@ def test_greedy_equals_transformers(model, hf_model):
             got[i].append(int(nxt[i]))
         lengths = lengths + 1
     assert got == want
-
-    # with a KV cache: the prompt and its images prefilled in one call (image blocks within it), then decoded
-    for i, p in enumerate(prompts):
-        pix = jnp.asarray(pixels[:1] if i == 0 else pixels[1:])
-        cache = KVCache.init(model.cfg, 1, size)
-        out = prefill(state, jnp.asarray([p]), jnp.arange(len(p))[None], pix, cache)
-        tok, cache, cached = int(jnp.argmax(out.logits[0, -1, :IMAGE])), out.cache, []
-        for t in range(steps):
-            cached.append(tok)
-            out = decode(state, jnp.asarray([[tok]]), jnp.asarray([[len(p) + t]]), cache)
-            tok, cache = int(jnp.argmax(out.logits[0, -1, :IMAGE])), out.cache
-        assert cached == want[i]
 
 
 def test_export_round_trip(model, folder, hf_model, tmp_path):
@@ -299,3 +280,45 @@ def test_text_only_equals_transformers_without_images(folder, hf_model):
     tokens, mask = batch([row(rng, [9]), row(rng, [5])])
     want = hf_logits(hf_model, tokens, mask, None, token_types=False)
     close(ours(text, tokens, mask, None), want, mask)
+
+
+def test_sampler_with_images_equals_transformers_generate(model, hf_model):
+    """The Sampler prefills left-padded prompts with their images (pixels=), then decodes: 24 greedy tokens and
+    their log-probs equal transformers' generate (KV cache, pixels at the first step only)."""
+    import copy
+
+    from posttrain.generate import Sampler, SamplingParams
+
+    rng = np.random.default_rng(10)
+    prompts = [row(rng, [3, "I", 2]), row(rng, ["I", 1, "I", 4])]
+    pixels = gemma3_pixels(images(3, seed=11), size=32)
+    steps = 24
+    gen = copy.deepcopy(hf_model.generation_config)
+    gen.eos_token_id, gen.pad_token_id, gen.do_sample = None, 0, False
+    want, want_lp = [], []
+    for p, pix in zip(prompts, (pixels[:1], pixels[1:])):
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = hf_model.generate(input_ids=ids, pixel_values=torch.tensor(pix), token_type_ids=(ids == IMAGE).long(),
+                                    generation_config=gen, max_new_tokens=steps, min_new_tokens=steps,
+                                    output_logits=True, return_dict_in_generate=True)
+        tokens = out.sequences[0, len(p):]
+        logps = torch.log_softmax(torch.stack(out.logits)[:, 0].float(), -1)
+        want.append(tokens.tolist())
+        want_lp.append(logps[torch.arange(steps), tokens].numpy())
+    sampler = Sampler(model, max_len=64)
+    got = sampler.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0), pixels=pixels)
+    assert [t[:n].tolist() for t, n in zip(got.tokens, got.lengths)] == want
+    assert len(set(want[0] + want[1])) > 4  # not one token repeated
+    np.testing.assert_allclose(got.logprobs, np.stack(want_lp), atol=2e-5)
+
+
+def test_recipes_train_the_text_model_only_when_asked(folder):
+    from posttrain.config import ModelSection
+    from posttrain.errors import PosttrainError
+    from posttrain.recipes.build import build_model
+
+    tok = type("Tok", (), {"vocab_size": V})()  # build_model reads the tokenizer's size only
+    with pytest.raises(PosttrainError, match="text_only: true"):
+        build_model(ModelSection(path=folder), tok)
+    assert isinstance(build_model(ModelSection(path=folder, text_only=True), tok), Transformer)

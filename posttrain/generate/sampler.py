@@ -189,18 +189,19 @@ class Sampler:
 
     # --------------------------------------------------------------------------------- jitted parts
 
-    def _prefill_fn(self, state, tokens, positions, segments, record=False):
+    def _prefill_fn(self, state, tokens, positions, segments, record=False, pixels=None):
         with use_mesh(self.mesh, self.rules):
-            return self._prefill_body(state, tokens, positions, segments, record)
+            return self._prefill_body(state, tokens, positions, segments, record, pixels)
 
-    def _prefill_body(self, state, tokens, positions, segments, record=False):
+    def _prefill_body(self, state, tokens, positions, segments, record=False, pixels=None):
         """The prompts' next-token logits and a cache of exactly the prompt bucket (decode grows it); with
-        `record` also the experts of every prompt token ([B, P, M, k])."""
+        `record` also the experts of every prompt token ([B, P, M, k]); pixels: a vision-language model's images."""
         self.traces["prefill"] += 1
         model, head = self._merge(state)
         cache = KVCache.init(self.cfg, tokens.shape[0], tokens.shape[1])
-        out = model(tokens, positions, cache=cache, segment_ids=segments, return_hidden=True, return_logits=False,
-                    return_router_logits=record)
+        images = () if pixels is None else (pixels,)
+        out = model(tokens, positions, *images, cache=cache, segment_ids=segments, return_hidden=True,
+                    return_logits=False, return_router_logits=record)
         logits = model.unembed(out.hidden[-1][:, -1:], head)[:, 0]
         if record:
             return logits, out.cache, chosen_experts(out.router_logits, self.cfg.experts_per_token)
@@ -334,8 +335,9 @@ class Sampler:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None, *,
                  key: Optional[jax.Array] = None, stop_ids: Optional[Sequence[Sequence[int]]] = None,
-                 max_new_tokens: Optional[Sequence[int]] = None) -> Completions:
-        """Continue each prompt (token ids). stop_ids / max_new_tokens optionally differ per prompt."""
+                 max_new_tokens: Optional[Sequence[int]] = None, pixels=None) -> Completions:
+        """Continue each prompt (token ids). stop_ids / max_new_tokens optionally differ per prompt.
+        pixels: a vision-language model's images for the prompts' image tokens, in prompt order (vision/gemma3.py)."""
         params = SamplingParams() if params is None else params
         if not prompts:
             raise PosttrainError("generate: no prompts given")
@@ -371,7 +373,8 @@ class Sampler:
         record = params.record_routes
         if record and not self.cfg.num_experts:
             raise PosttrainError("generate: record_routes needs a mixture-of-experts model (this one has no router)")
-        pre = self._prefill(self._weights, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs), record=record)
+        pre = self._prefill(self._weights, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs), record=record,
+                            pixels=None if pixels is None else jnp.asarray(pixels))
         logits, cache = pre[:2]
         self.prefill_rows += B
         out = self._decode(self._weights, logits, cache, jnp.asarray(lens), key, jnp.asarray(stops),

@@ -86,6 +86,9 @@ def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None) -> nnx.Mod
     if mc.path:
         model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules,
                                 text_only=mc.text_only)
+        if not isinstance(model, Transformer):  # a vision-language folder (Gemma 3): no recipe feeds images yet
+            raise PosttrainError(f"model.path {mc.path} is a vision-language model ({type(model).__name__}); the "
+                                 "recipes train text only: set model.text_only: true to train its text model")
         model.cfg = model.cfg.replace(**numerics(mc))
     else:
         cfg = preset_config(mc, tok)

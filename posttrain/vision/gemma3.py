@@ -116,6 +116,16 @@ class Gemma3VL(nnx.Module):
         self.vision = SiglipVision(vcfg.vision, rngs=rngs)
         self.projector = Gemma3Projector(vcfg, cfg.embed_dim, rngs=rngs)
 
+    # the text model's parts the sampler reads (generate.Sampler runs a Gemma3VL as a Transformer)
+    lm_head = property(lambda self: self.text.lm_head)
+    embed = property(lambda self: self.text.embed)
+
+    def unembed(self, h, head=None):
+        return self.text.unembed(h, head)
+
+    def rope_tables(self, length: int) -> dict:
+        return self.text.rope_tables(length)
+
     def image_features(self, pixels):
         """pixels [N, 3, S, S] -> [N, mm_tokens_per_image, D] (Gemma3Model.get_image_features)."""
         return self.projector(self.vision(pixels))
