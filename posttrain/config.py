@@ -66,6 +66,9 @@ class ModelSection(Section):
     # vision and audio towers are not supported); a Gemma 3 vision-language folder (gemma3): its text model
     # (the recipes take no images yet); default false
     text_only: bool = False
+    # a vision-language folder (qwen3_vl): train its vision tower too; false = the tower stays frozen (SFT on image
+    # rows trains the text model, and LoRA adapters only ever go on the text model); default false
+    train_vision: bool = False
 
     def __post_init__(self):
         super().__post_init__()

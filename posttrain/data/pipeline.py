@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import grain
 import numpy as np
 
 from posttrain.data.formats import tokenize_row
+from posttrain.data.images import encode_image_row, has_images, image_fields, patch_bucket
 from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
@@ -50,16 +52,22 @@ class Example:
     ids: np.ndarray  # int32 [n]
     loss_mask: np.ndarray  # int32 [n], 1 where token i is a training target
     where: str
+    pixels: np.ndarray | None = None  # float32 [patches, dim]: an image row's patches (data/images.py)
+    grids: np.ndarray | None = None  # int64 [images, 3]: their (t, h, w) grids
 
 
 def load_examples(
-    path, tok, *, max_length: int, truncation: str = "error", skip_bad_rows: bool = False, **format_kw
+    path, tok, *, max_length: int, truncation: str = "error", skip_bad_rows: bool = False, images=None,
+    **format_kw
 ) -> tuple[list[Example], dict]:
     """Read + tokenize every row of `path`; counts = {"rows", "skipped", "truncated", "dropped"}.
 
     `format_kw` goes to `formats.tokenize_row` (completion_only_loss, assistant_only_loss, add_eos).
     "dropped" counts rows removed by truncation="drop", and rows a keep_* truncation left with no
     trained target (they would only cost compute).
+    `images` (a `data.images.ImageSpec`, from the model folder) encodes rows with an `images` column; without
+    it such a row is an error. An image row longer than max_length is an error or dropped (cutting it would cut
+    its image tokens).
     """
     if truncation not in TRUNCATION:
         raise PosttrainError(f"truncation={truncation!r} is not a policy; use one of {', '.join(TRUNCATION)}")
@@ -69,14 +77,24 @@ def load_examples(
         )
     counts = {"rows": 0, "skipped": 0, "truncated": 0, "dropped": 0}
     examples = []
-    parse = lambda row, where: tokenize_row(row, where, tok, **format_kw)  # noqa: E731
-    for (ids, mask), where in parse_rows(path, parse, counts, skip_bad_rows=skip_bad_rows):
+    base = Path(path) if Path(path).is_dir() else Path(path).parent
+
+    def parse(row, where):
+        if not has_images(row):
+            return (*tokenize_row(row, where, tok, **format_kw), None, None)
+        if images is None:
+            raise PosttrainError(f"{where}: the row has images but the model is not a vision-language model (or "
+                                 "this trainer reads text only); drop the 'images' column or use a qwen3_vl folder")
+        return encode_image_row(row, where, tok, images, base, **format_kw)
+
+    for (ids, mask, pixels, grids), where in parse_rows(path, parse, counts, skip_bad_rows=skip_bad_rows):
         if len(ids) > max_length:
-            if truncation == "error":
+            if truncation == "error" or (pixels is not None and truncation != "drop"):
                 raise PosttrainError(
                     f"{where}: the row is {len(ids)} tokens long, more than max_length={max_length}; raise "
-                    f"max_length, or set truncation to 'keep_start', 'keep_end' or 'drop' "
-                    f"(policies: {', '.join(TRUNCATION)})"
+                    f"max_length, or set truncation to " + ("'drop' (an image row is never cut)" if pixels is not
+                                                            None else "'keep_start', 'keep_end' or 'drop'")
+                    + f" (policies: {', '.join(TRUNCATION)})"
                 )
             if truncation == "drop":
                 counts["dropped"] += 1
@@ -89,7 +107,7 @@ def load_examples(
                 counts["dropped"] += 1
                 continue
             counts["truncated"] += 1
-        examples.append(Example(np.asarray(ids, np.int32), np.asarray(mask, np.int32), where))
+        examples.append(Example(np.asarray(ids, np.int32), np.asarray(mask, np.int32), where, pixels, grids))
     if not examples:
         raise PosttrainError(
             f"{path}: no usable examples (rows={counts['rows']}, skipped={counts['skipped']}, "
@@ -114,6 +132,9 @@ def pack_first_fit(lengths, seq_len: int) -> list[list[int]]:
 
 
 def _row_groups(examples: list[Example], seq_len: int, packing: bool) -> list[tuple[int, ...]]:
+    if packing and examples and any(ex.pixels is not None for ex in examples):
+        raise PosttrainError("data.packing is not supported for image rows yet (each row's images and M-RoPE "
+                             "positions are laid out per row); set data.packing=false")
     if not isinstance(seq_len, int) or seq_len < 2:
         raise PosttrainError(f"seq_len={seq_len!r} must be an int >= 2")
     if not examples:
@@ -129,7 +150,8 @@ def _row_groups(examples: list[Example], seq_len: int, packing: bool) -> list[tu
     return [tuple(g) for g in pack_first_fit([len(ex.ids) for ex in examples], seq_len)]
 
 
-def _build_row(group, examples: list[Example], seq_len: int, pad_id: int) -> dict[str, np.ndarray]:
+def _build_row(group, examples: list[Example], seq_len: int, pad_id: int, vision=None,
+               patches: int = 0) -> dict[str, np.ndarray]:
     row = {
         "tokens": np.full(seq_len, pad_id, np.int32),
         "positions": np.zeros(seq_len, np.int32),
@@ -149,13 +171,28 @@ def _build_row(group, examples: list[Example], seq_len: int, pad_id: int) -> dic
         row["targets"][start : end - 1] = ids[1:]
         row["weights"][start : end - 1] = mask[1:]
         start = end
+    if vision is not None:  # an image dataset: every row (text ones too) carries the image fields
+        row.update(image_fields(examples[group[0]], row, vision, patches))
     return row
 
 
-def to_arrays(examples: list[Example], seq_len: int, pad_id: int, packing: bool) -> dict[str, np.ndarray]:
-    """All examples as fixed-shape [R, seq_len] rows (one per example, or first-fit packed)."""
-    rows = [_build_row(g, examples, seq_len, pad_id) for g in _row_groups(examples, seq_len, packing)]
-    return {k: np.stack([r[k] for r in rows]) for k in FIELDS}
+def to_arrays(examples: list[Example], seq_len: int, pad_id: int, packing: bool,
+              vision=None) -> dict[str, np.ndarray]:
+    """All examples as fixed-shape [R, seq_len] rows (one per example, or first-fit packed); with image rows
+    (`vision`: the model's VisionConfig) also the fields of `vision.batched`."""
+    layout = _image_layout(examples, vision)
+    rows = [_build_row(g, examples, seq_len, pad_id, **layout) for g in _row_groups(examples, seq_len, packing)]
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _image_layout(examples: list[Example], vision) -> dict:
+    """_build_row's image arguments: none for text data, else the vision config and the patch bucket."""
+    if not any(ex.pixels is not None for ex in examples):
+        return {}
+    if vision is None:
+        raise PosttrainError("the examples have images but no vision config was given; pass the model's "
+                             "cfg.vision (a vision-language model)")
+    return dict(vision=vision, patches=patch_bucket(examples, vision))
 
 
 class _Quiet(list):
@@ -177,6 +214,7 @@ def batches(
     shuffle: bool = True,
     num_epochs: int | None = None,
     read_options: grain.ReadOptions | None = None,
+    vision=None,
 ) -> grain.IterDataset:
     """A Grain dataset of dicts of [batch_size, seq_len] arrays (fields of `to_arrays`).
 
@@ -186,6 +224,7 @@ def batches(
     `read_options` defaults to 2 threads prefetching 4 batches: building a row is cheap numpy
     under the GIL, and Grain's default (16 threads, 500 rows) only burns host CPU that the
     training step wants (and re-does it after every set_state).
+    Image rows (`vision`: the model's VisionConfig) add the fields of `vision.batched` ([B, 3, T] positions).
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise PosttrainError(f"batch_size={batch_size!r} must be a positive int")
@@ -204,6 +243,7 @@ def batches(
         ds = ds.shuffle(seed=seed)
     # repeat after shuffle: each epoch's indices reach the shuffle with the epoch folded into its seed.
     ds = ds.repeat(num_epochs)
-    ds = ds.map(functools.partial(_build_row, examples=_Quiet(examples), seq_len=seq_len, pad_id=pad_id))
+    ds = ds.map(functools.partial(_build_row, examples=_Quiet(examples), seq_len=seq_len, pad_id=pad_id,
+                                  **_image_layout(examples, vision)))
     read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=4 * batch_size)
     return ds.to_iter_dataset(read_options).batch(batch_size, drop_remainder=True)

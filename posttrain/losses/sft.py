@@ -19,11 +19,18 @@ def token_nll(model, hidden, targets):
     return -token_logps(model, hidden, targets)[0]
 
 
-def sft_loss(policy, batch, *, frozen=None, rng=None):
+def text_forward(policy, batch, **kw):
+    """The model's forward on a text batch (tokens, positions, segment_ids, optional branch_ids)."""
+    return policy(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
+                  branch_ids=batch.get("branch_ids"), **kw)
+
+
+def sft_loss(policy, batch, *, frozen=None, rng=None, forward=text_forward):
     """(sum of weighted token NLL, metrics) for a batch of tokens/positions/segment_ids/targets/weights
-    (and optionally branch_ids: prefix-shared rows, see models/attention.py)."""
-    out = policy(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
-                 branch_ids=batch.get("branch_ids"), return_hidden=True, return_logits=False)
+    (and optionally branch_ids: prefix-shared rows, see models/attention.py). `forward(policy, batch, **kw)` runs
+    the model: image rows pass `vision.batched.forward_rows` (the tower's features at the image tokens, [B, 3, T]
+    M-RoPE positions), bound by the recipe with functools.partial."""
+    out = forward(policy, batch, return_hidden=True, return_logits=False)
     w = batch["weights"].astype(jnp.float32)
     nll = token_nll(policy, out.hidden[-1], batch["targets"])
     total = jnp.sum(nll * w)

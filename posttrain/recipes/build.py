@@ -20,7 +20,7 @@ from flax import nnx
 from posttrain import sharding as sh
 from posttrain.errors import PosttrainError
 from posttrain.models import Transformer, from_pretrained, load_config, preset
-from posttrain.models.lora import apply_lora
+from posttrain.models.lora import LoraParam, apply_lora
 from posttrain.plan import plan
 from posttrain.tokenizer import Tokenizer, byte_tokenizer
 
@@ -103,6 +103,29 @@ def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None) -> nnx.Mod
         apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
                    seed=mc.seed)
     return model
+
+
+def trainable_filter(mc, lora, model_cfg):
+    """What trains: the LoRA adapters or every weight, with a vision-language model's tower frozen unless
+    model.train_vision (then its weights train too, beside the adapters with LoRA)."""
+    base = LoraParam if lora is not None and lora.enabled else nnx.Param
+    if getattr(model_cfg, "vision", None) is None:
+        return base
+    tower = nnx.All(nnx.Param, nnx.PathContains("vision"))
+    return nnx.Any(base, tower) if mc.train_vision else nnx.All(base, nnx.Not(tower))
+
+
+def image_spec(mc, tok: Tokenizer):
+    """The `data.images.ImageSpec` of a vision-language model folder (None for a text model): image rows need it."""
+    if not mc.path:
+        return None
+    cfg = model_config(mc, tok)
+    if getattr(cfg, "vision", None) is None:
+        return None
+    from posttrain.data.images import image_spec as spec
+    from posttrain.vision.preprocess import processor_settings
+
+    return spec(processor_settings(mc.path), cfg.vision)
 
 
 def memory_plan(c, model_cfg, mesh_shape: dict, *, seq_len: Optional[int] = None, kv_cache_tokens: int = 0) -> dict:

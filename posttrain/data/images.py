@@ -1,0 +1,163 @@
+"""Image rows (TRL's vision dataset formats) -> token ids, loss mask, pixel patches and grids.
+
+What it is: a row of TRL's vision formats (https://huggingface.co/docs/trl/dataset_formats#vision-datasets):
+  {"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "..."}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "..."}]}], "images": [...]}
+or conversational {"prompt": [messages], "completion": [messages], "images": [...]}, one image per
+{"type": "image"} part, in order. An image is a path (relative to the data file's folder, or absolute), bytes
+(Parquet), or a `datasets.Image` dict {"bytes": ..., "path": ...} (bytes first). The row is encoded as
+Qwen3VLProcessor does: the chat template writes <|vision_start|><|image_pad|><|vision_end|> per image part, the
+text is tokenised (`formats.tokenize_row`, so the loss mask follows completion_only_loss / assistant_only_loss as
+for text rows), then each image's <|image_pad|> becomes qwen_vl_image_tokens(grid) copies carrying its mask value;
+the pixels are `posttrain.vision.qwen_vl_patches` with the model folder's processor settings. The ids equal the
+processor's (<|image_pad|> is a special token, so expanding it before or after tokenising gives the same ids).
+
+Errors (PosttrainError naming FILE:LINE or FILE:row N, skipped and counted under data.skip_bad_rows like other bad
+rows): an image that is missing or unreadable, a count of images different from the image parts, an `images`
+column with a text model, a plain-string prompt with images (the template has no place for them).
+
+What it is not: the batch layout (`pipeline`, `vision.batched.row_tables`), Gemma 3's image tokens, or video.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from posttrain.data.formats import detect_format, tokenize_row
+from posttrain.errors import PosttrainError
+from posttrain.vision.batched import row_tables
+from posttrain.vision.preprocess import ImageSettings, qwen_vl_image_tokens
+from posttrain.vision.qwen_vl import rope_index
+
+
+@dataclass(frozen=True)
+class ImageSpec:
+    """What encoding an image row needs from the model: its processor settings and vision config (`VisionConfig`:
+    the image token id and merge size)."""
+
+    settings: ImageSettings
+    vision: object
+
+
+def image_spec(settings: ImageSettings, vision) -> ImageSpec:
+    """An ImageSpec, refusing processors posttrain cannot place in the text yet."""
+    if settings.kind != "qwen_vl" or vision is None:
+        raise PosttrainError(f"{settings.source}: image rows are supported for Qwen3-VL folders (a Qwen2VL image "
+                             f"processor and a vision tower); this one is {settings.kind!r}. Use text rows, or a "
+                             "qwen3_vl model folder")
+    o = settings.options
+    dim = 3 * o["temporal_patch_size"] * o["patch_size"] ** 2
+    if dim != vision.patch_dim or o["merge_size"] != vision.spatial_merge_size:
+        raise PosttrainError(f"{settings.source}: patches of {dim} values, merge {o['merge_size']}, but the vision "
+                             f"tower reads {vision.patch_dim}, merge {vision.spatial_merge_size}; the processor file "
+                             "and config.json must come from the same checkpoint")
+    return ImageSpec(settings, vision)
+
+
+def has_images(row) -> bool:
+    """Whether a row carries images (a non-empty `images` column; Arrow sources give None or [] for none)."""
+    return isinstance(row, dict) and row.get("images") not in (None, [])
+
+
+def _parts(msgs: list, where: str, field: str) -> tuple[list, int]:
+    """The messages with each content part's null keys dropped (Arrow fills a struct's absent keys with None, which
+    the template would read as present), and how many image parts they hold."""
+    out, count = [], 0
+    for i, m in enumerate(msgs):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for j, p in enumerate(content):
+            if not isinstance(p, dict):
+                raise PosttrainError(f"{where}: {field}[{i}].content[{j}] must be an object such as "
+                                     f'{{"type": "image"}} or {{"type": "text", "text": "..."}}, got {p!r}')
+            p = {k: v for k, v in p.items() if v is not None}
+            count += p.get("type") == "image"
+            parts.append(p)
+        out.append({**{k: v for k, v in m.items() if v is not None or k == "content"}, "content": parts})
+    return out, count
+
+
+def _source(image, base: Path, where: str, i: int):
+    """What `load_image` reads for images[i]: bytes, or a path resolved against the data file's folder."""
+    if isinstance(image, dict):
+        if image.get("bytes"):
+            return image["bytes"]
+        image = image.get("path")
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if not isinstance(image, str) or not image:
+        raise PosttrainError(f"{where}: images[{i}] must be a path, bytes or {{\"bytes\": ..., \"path\": ...}}, "
+                             f"got {image!r}")
+    path = Path(image) if os.path.isabs(image) else base / image
+    if not path.is_file():
+        raise PosttrainError(f"{where}: images[{i}]: no such file {path} (a relative path is read from the data "
+                             f"file's folder {base}); fix the path or drop the row")
+    return str(path)
+
+
+def encode_image_row(row: dict, where: str, tok, spec: ImageSpec, base: Path, **format_kw):
+    """(ids, loss_mask, pixels [patches, dim] float32, grids [images, 3] int64) of one image row; see the module
+    docstring. format_kw goes to `formats.tokenize_row`."""
+    fmt = detect_format(row, where)
+    images = row["images"]
+    if not isinstance(images, list):
+        images = [images]
+    if fmt not in ("messages", "conversational_prompt_completion"):
+        raise PosttrainError(f"{where}: a row with images must be conversational ({{\"messages\": [...]}} or "
+                             f"{{\"prompt\": [messages], \"completion\": [messages]}}) with {{\"type\": \"image\"}} "
+                             f"content parts where the images go; this one is {fmt!r}")
+    fields = ("messages",) if fmt == "messages" else ("prompt", "completion")
+    row = dict(row)
+    count = 0
+    for f in fields:
+        if not isinstance(row[f], list):
+            raise PosttrainError(f"{where}: field {f!r} must be a list of messages, got {type(row[f]).__name__}")
+        row[f], n = _parts(row[f], where, f)
+        count += n
+    if count != len(images):
+        raise PosttrainError(f"{where}: the row has {len(images)} image(s) in 'images' but {count} "
+                             f'{{"type": "image"}} content part(s); give one image per image part, in order')
+    ids, mask = tokenize_row(row, where, tok, **format_kw)
+    cfg = spec.vision
+    at = [i for i, t in enumerate(ids) if t == cfg.image_token_id]
+    if len(at) != len(images):
+        raise PosttrainError(f"{where}: the chat template wrote {len(at)} image token(s) (id {cfg.image_token_id}) "
+                             f"for {len(images)} image part(s); use the model's own chat template")
+    sources = [_source(im, base, where, i) for i, im in enumerate(images)]
+    try:
+        pixels, grids = spec.settings.pixels(sources)
+    except PosttrainError as err:
+        raise PosttrainError(f"{where}: {err}") from None
+    counts = qwen_vl_image_tokens(grids, cfg.spatial_merge_size)
+    out_ids, out_mask, last = [], [], 0
+    for k, i in enumerate(at):
+        out_ids += ids[last:i] + [ids[i]] * int(counts[k])
+        out_mask += mask[last:i] + [mask[i]] * int(counts[k])
+        last = i + 1
+    return out_ids + ids[last:], out_mask + mask[last:], pixels, np.asarray(grids, np.int64)
+
+
+def patch_bucket(examples, vision) -> int:
+    """Patches per row of an image dataset: the most any example has, rounded up to a multiple of 64 (a few
+    buckets of compiled shapes, never one per image size)."""
+    most = max((0 if ex.pixels is None else len(ex.pixels)) for ex in examples)
+    step = max(64, vision.spatial_merge_size ** 2)
+    return max(step, -(-most // step) * step)
+
+
+def image_fields(example, row: dict, vision, patches: int) -> dict:
+    """The image fields of one laid-out row (`vision.batched.TABLE_FIELDS`) and its [3, T] M-RoPE positions."""
+    grids = example.grids if example.grids is not None else np.zeros((0, 3), np.int64)
+    pixels = example.pixels if example.pixels is not None else np.zeros((0, vision.patch_dim), np.float32)
+    try:
+        pos, _ = rope_index(row["tokens"][None], (row["segment_ids"] != 0)[None], grids, vision)
+    except PosttrainError as err:
+        raise PosttrainError(f"{example.where}: {err}") from None
+    return {"positions": pos[:, 0], **row_tables(pixels, grids, vision, patches)}

@@ -1,0 +1,120 @@
+"""Qwen3-VL image rows in training batches: static shapes, one row at a time through the tower.
+
+What it is: `row_tables(grids, cfg, patches)` lays one row's images out as host arrays padded to a fixed number of
+patches (the pipeline's bucket), and `forward_rows(model, batch, **kw)` runs a batch of such rows through the
+tower and the text model. A row carries
+  pixels         float32 [P, C*T*P*P]  its images' patches (posttrain.vision.qwen_vl_patches), zero after them
+  patch_corners  int32   [4, P]        position-table indices of the bilinear interpolation (`grid_tables`)
+  patch_weights  float32 [4, P]        their weights (0 on padding)
+  patch_rows / patch_cols  int32 [P]  each patch's row and column (2-D RoPE)
+  patch_blocks   int32   [P]           1, 2, ... one per image frame; 0 on padding. A patch attends the patches of
+                                       its own block (transformers' cu_seqlens), as a mask instead of slices
+  positions      int32   [3, T]        M-RoPE positions of the row (`rope_index`); [B, 3, T] in a batch
+so a batch's shapes never depend on the images' sizes (no recompiles), and rows split over devices and
+micro-batches like any other field. Each row's image features go to its own image tokens, in order.
+
+The arithmetic equals `VisionTower.__call__` (the same modules' weights; attention masked instead of sliced, which
+adds exact zeros), checked against transformers' loss in tests/test_vlm_data.py. What it is not: packing several
+image rows into one (the pipeline refuses it), video, or the sampler's prefill (`qwen_vl.image_forward`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posttrain.vision.qwen_vl import VisionConfig, grid_tables
+
+TABLE_FIELDS = ("pixels", "patch_corners", "patch_weights", "patch_rows", "patch_cols", "patch_blocks")
+
+
+def row_tables(pixels: np.ndarray, grids: np.ndarray, cfg: VisionConfig, patches: int) -> dict[str, np.ndarray]:
+    """One row's TABLE_FIELDS, padded to `patches` patches (a multiple of spatial_merge_size^2)."""
+    n = int(pixels.shape[0])
+    out = {"pixels": np.zeros((patches, cfg.patch_dim), np.float32),
+           "patch_corners": np.zeros((4, patches), np.int32), "patch_weights": np.zeros((4, patches), np.float32),
+           "patch_rows": np.zeros(patches, np.int32), "patch_cols": np.zeros(patches, np.int32),
+           "patch_blocks": np.zeros(patches, np.int32)}
+    if n == 0:
+        return out
+    g = grid_tables(grids, cfg)
+    out["pixels"][:n] = pixels
+    out["patch_corners"][:, :n] = g["corners"]
+    out["patch_weights"][:, :n] = g["weights"]
+    out["patch_rows"][:n], out["patch_cols"][:n] = g["rows"], g["cols"]
+    out["patch_blocks"][:n] = np.repeat(np.arange(1, len(g["lengths"]) + 1), g["lengths"])
+    return out
+
+
+def _rope2d(x, cos, sin):
+    """transformers' apply_rotary_pos_emb_vision over rows: x [B, P, heads, H]; cos, sin [B, P, H]."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos[:, :, None] + rot * sin[:, :, None]).astype(x.dtype)
+
+
+def _block(blk, x, cos, sin, same):
+    """A VisionBlock over [B, P, D] rows; `same` [B, P, P]: whether two patches are in one image frame."""
+    B, P, D = x.shape
+    hd = D // blk.heads
+    qkv = blk.attn_in(blk.norm1(x)).reshape(B, P, 3, blk.heads, hd)
+    q, k, v = _rope2d(qkv[:, :, 0], cos, sin), _rope2d(qkv[:, :, 1], cos, sin), qkv[:, :, 2]
+    scores = jnp.einsum("bqnh,bknh->bnqk", q, k).astype(jnp.float32) * hd ** -0.5
+    scores = jnp.where(same[:, None], scores, -jnp.inf)  # each query sees at least itself: no empty row
+    p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    x = x + blk.attn_out(jnp.einsum("bnqk,bknh->bqnh", p, v).reshape(B, P, D))
+    h = blk.fc1(blk.norm2(x))
+    h = jax.nn.gelu(h, approximate=True) if blk.act in ("gelu_pytorch_tanh", "gelu_tanh") else (
+        jax.nn.gelu(h, approximate=False) if blk.act == "gelu" else jax.nn.silu(h))
+    return x + blk.fc2(h)
+
+
+def tower_rows(tower, batch, dtype=jnp.float32):
+    """The tower over a batch's rows: (features [B, P / m^2, out], DeepStack features: tuple of the same shape)."""
+    cfg = tower.cfg
+    pixels = batch["pixels"]
+    B, P, _ = pixels.shape
+    x = tower.patch_embed(pixels.astype(dtype))
+    table = tower.pos_embed[...].astype(jnp.float32)
+    pos = (jnp.take(table, batch["patch_corners"], axis=0) * batch["patch_weights"][..., None]).sum(1)
+    x = x + pos.astype(dtype)
+    hd = cfg.hidden_size // cfg.num_heads
+    inv = jnp.asarray(1.0 / (10_000.0 ** (np.arange(0, hd // 2, 2, dtype=np.float32) / np.float32(hd // 2))))
+    freqs = jnp.concatenate([batch["patch_rows"][..., None] * inv, batch["patch_cols"][..., None] * inv], axis=-1)
+    emb = jnp.concatenate([freqs, freqs], axis=-1).astype(jnp.float32)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    blocks = batch["patch_blocks"]
+    same = blocks[:, :, None] == blocks[:, None, :]
+    deep, tokens = [], P // cfg.spatial_merge_size ** 2  # a merger's [B * tokens, out] back to rows
+    for i, blk in enumerate(tower.blocks):
+        x = _block(blk, x, cos, sin, same)
+        if i in cfg.deepstack_visual_indexes:
+            deep.append(tower.deepstack[cfg.deepstack_visual_indexes.index(i)](x).reshape(B, tokens, -1))
+    return tower.merger(x).reshape(B, tokens, -1), tuple(deep)
+
+
+def place_rows(mask, features, dtype):
+    """Each row's features [B, n, D] at its True slots of mask [B, T], in order: [B, T, D], zero elsewhere."""
+    idx = jnp.clip(jnp.cumsum(mask.astype(jnp.int32), axis=1) - 1, 0, features.shape[1] - 1)
+    out = jnp.take_along_axis(features.astype(dtype), idx[..., None], axis=1)
+    return out * mask[..., None].astype(dtype)
+
+
+def forward_rows(model, batch, **kw):
+    """The model's forward on a batch of image rows (fields above plus tokens / segment_ids): the tower's features in
+    place of the image tokens' embeddings, DeepStack added after the first layers, M-RoPE positions. A batch without
+    `pixels` (text rows on a vision-language model) is the plain text forward."""
+    if "pixels" not in batch:
+        return model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
+                     branch_ids=batch.get("branch_ids"), **kw)
+    cfg = model.cfg
+    dt = jnp.dtype(cfg.dtype)
+    feats, deep = tower_rows(model.vision, batch, dt)
+    tokens = batch["tokens"]
+    mask = tokens == cfg.vision.image_token_id
+    x = jnp.where(mask[..., None], place_rows(mask, feats, dt), model.embed_tokens(tokens))
+    positions = jnp.moveaxis(batch["positions"], 1, 0)  # [B, 3, T] -> [3, B, T]
+    return model(tokens, positions, segment_ids=batch["segment_ids"], embeds=x,
+                 deepstack=tuple(place_rows(mask, d, dt) for d in deep), **kw)
