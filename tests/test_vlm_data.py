@@ -299,3 +299,33 @@ def jax_leaves(state):
     import jax
 
     return jax.tree_util.tree_leaves(state)
+
+
+def test_a_datasets_folder_with_an_image_column(tmp_path, processor, tok, spec):
+    import datasets
+
+    path, rows = write_rows(tmp_path)
+    ds = datasets.Dataset.from_dict({"messages": [rows[1]["messages"]],
+                                     "images": [[str(tmp_path / n) for n in rows[1]["images"]]]})
+    ds = ds.cast_column("images", datasets.Sequence(datasets.Image()))
+    ds.save_to_disk(str(tmp_path / "ds"))
+    (ex,), _ = load_examples(tmp_path / "ds", tok, max_length=512, images=spec)
+    ids, pixels, grids, _ = reference(processor, rows[1], tmp_path)
+    np.testing.assert_array_equal(ex.ids, ids)
+    assert np.abs(ex.pixels - pixels).max() <= 1e-6 and (ex.grids == grids).all()
+
+
+def test_the_cli_exits_2_naming_the_line_of_a_missing_image(tmp_path, folder, capsys):
+    import yaml
+
+    from posttrain.cli import main
+
+    path, rows = write_rows(tmp_path)
+    path.write_text(json.dumps(rows[4]) + "\n" + json.dumps({**rows[0], "images": ["gone.png"]}) + "\n")
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"path": folder}, "data": {"train": str(path), "max_length": 128},
+                                   "train": {"steps": 1, "batch_size": 1}, "run_dir": str(tmp_path / "run")}))
+    assert main(["sft", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}:2: images[0]: no such file" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -5,7 +5,8 @@ What it is: a row of TRL's vision formats (https://huggingface.co/docs/trl/datas
                 {"role": "assistant", "content": [{"type": "text", "text": "..."}]}], "images": [...]}
 or conversational {"prompt": [messages], "completion": [messages], "images": [...]}, one image per
 {"type": "image"} part, in order. An image is a path (relative to the data file's folder, or absolute), bytes
-(Parquet), or a `datasets.Image` dict {"bytes": ..., "path": ...} (bytes first). The row is encoded as
+(Parquet), or a `datasets.Image` dict {"bytes": ..., "path": ...} (bytes first; a `datasets` folder's Image
+column arrives decoded). The row is encoded as
 Qwen3VLProcessor does: the chat template writes <|vision_start|><|image_pad|><|vision_end|> per image part, the
 text is tokenised (`formats.tokenize_row`, so the loss mask follows completion_only_loss / assistant_only_loss as
 for text rows), then each image's <|image_pad|> becomes qwen_vl_image_tokens(grid) copies carrying its mask value;
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from posttrain.data.formats import detect_format, tokenize_row
 from posttrain.errors import PosttrainError
@@ -85,7 +87,10 @@ def _parts(msgs: list, where: str, field: str) -> tuple[list, int]:
 
 
 def _source(image, base: Path, where: str, i: int):
-    """What `load_image` reads for images[i]: bytes, or a path resolved against the data file's folder."""
+    """What `load_image` reads for images[i]: bytes, a decoded image (a `datasets` folder's Image column), or a path
+    resolved against the data file's folder."""
+    if isinstance(image, Image.Image):
+        return image
     if isinstance(image, dict):
         if image.get("bytes"):
             return image["bytes"]
