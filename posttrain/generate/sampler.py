@@ -159,6 +159,7 @@ class Sampler:
         self._decode = jax.jit(self._decode_fn, static_argnames=("params", "max_new"))
         self._turn = jax.jit(self._turn_fn, static_argnames=("params", "max_new", "phases"))
         self._keep = jax.jit(self._keep_fn, static_argnames=("size",))
+        self._images = None  # generate/vision.py's ImagePrefill, made at the first call with images
 
     def update(self, model_or_state) -> None:
         """Use new weights (e.g. after a training step); shapes are unchanged, nothing recompiles."""
@@ -189,19 +190,21 @@ class Sampler:
 
     # --------------------------------------------------------------------------------- jitted parts
 
-    def _prefill_fn(self, state, tokens, positions, segments, record=False, pixels=None):
+    def _prefill_fn(self, state, tokens, positions, segments, record=False, extras=None, pixels=None):
         with use_mesh(self.mesh, self.rules):
-            return self._prefill_body(state, tokens, positions, segments, record, pixels)
+            return self._prefill_body(state, tokens, positions, segments, record, extras, pixels)
 
-    def _prefill_body(self, state, tokens, positions, segments, record=False, pixels=None):
+    def _prefill_body(self, state, tokens, positions, segments, record=False, extras=None, pixels=None):
         """The prompts' next-token logits and a cache of exactly the prompt bucket (decode grows it); with
-        `record` also the experts of every prompt token ([B, P, M, k]); pixels: a vision-language model's images."""
+        `record` also the experts of every prompt token ([B, P, M, k]); extras: image rows' forward keywords
+        (generate/vision.py: embeds, deepstack) with positions [3, B, P]; pixels: a Gemma3VL model's images
+        (vision/gemma3.py)."""
         self.traces["prefill"] += 1
         model, head = self._merge(state)
         cache = KVCache.init(self.cfg, tokens.shape[0], tokens.shape[1])
         images = () if pixels is None else (pixels,)
         out = model(tokens, positions, *images, cache=cache, segment_ids=segments, return_hidden=True,
-                    return_logits=False, return_router_logits=record)
+                    return_logits=False, return_router_logits=record, **(extras or {}))
         logits = model.unembed(out.hidden[-1][:, -1:], head)[:, 0]
         if record:
             return logits, out.cache, chosen_experts(out.router_logits, self.cfg.experts_per_token)
@@ -335,9 +338,11 @@ class Sampler:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None, *,
                  key: Optional[jax.Array] = None, stop_ids: Optional[Sequence[Sequence[int]]] = None,
-                 max_new_tokens: Optional[Sequence[int]] = None, pixels=None) -> Completions:
+                 max_new_tokens: Optional[Sequence[int]] = None, images=None, pixels=None) -> Completions:
         """Continue each prompt (token ids). stop_ids / max_new_tokens optionally differ per prompt.
-        pixels: a vision-language model's images for the prompts' image tokens, in prompt order (vision/gemma3.py)."""
+        images (Qwen3-VL): one `generate.vision.ImageInputs` (or None) per prompt, for its image tokens (each
+        image's full run, e.g. `qwen_vl_image_tokens(grid)` tokens: `expand_image_tokens`).
+        pixels (Gemma 3): a Gemma3VL model's images for the prompts' image tokens, in prompt order (vision/gemma3)."""
         params = SamplingParams() if params is None else params
         if not prompts:
             raise PosttrainError("generate: no prompts given")
@@ -373,11 +378,21 @@ class Sampler:
         record = params.record_routes
         if record and not self.cfg.num_experts:
             raise PosttrainError("generate: record_routes needs a mixture-of-experts model (this one has no router)")
+        next_pos, extras = lens, {}
+        if images is not None and any(im is not None for im in images):  # else the text path, unchanged
+            if self._images is None:
+                from posttrain.generate.vision import ImagePrefill
+
+                self._images = ImagePrefill(self)
+            pos, delta, keywords = self._images(toks, segs, images)
+            next_pos, extras = lens + delta, {"extras": keywords}  # decode: text position + delta (M-RoPE)
+        if pixels is not None:
+            extras["pixels"] = jnp.asarray(pixels)
         pre = self._prefill(self._weights, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs), record=record,
-                            pixels=None if pixels is None else jnp.asarray(pixels))
+                            **extras)
         logits, cache = pre[:2]
         self.prefill_rows += B
-        out = self._decode(self._weights, logits, cache, jnp.asarray(lens), key, jnp.asarray(stops),
+        out = self._decode(self._weights, logits, cache, jnp.asarray(next_pos), key, jnp.asarray(stops),
                            jnp.asarray(np.repeat(row_max, n)), params=params, max_new=M)
         out_tok, out_lp, lengths = (np.asarray(x) for x in jax.device_get(out[:3]))
         last = out_tok[np.arange(len(lengths)), lengths - 1]

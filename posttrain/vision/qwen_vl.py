@@ -19,7 +19,8 @@ Into the text model (transformers' Qwen3VLModel.forward): the image features rep
 tokens (in order); the DeepStack features are added to the outputs of the first len(deepstack_visual_indexes)
 decoder layers at the image tokens; positions are 3-D M-RoPE positions (`rope_index`, transformers'
 get_rope_index). What it is not: video (frames with timestamps), the processor's chat template, or the sampler's
-image prefill (a decode step continues from `rope_index`'s delta: text positions + delta on all three axes).
+image prefill (generate/vision.py; a decode step continues at its text position + `rope_index`'s delta on all
+three axes).
 """
 
 from __future__ import annotations
@@ -279,20 +280,23 @@ def place(mask, features, dtype):
     return out.reshape(*mask.shape, features.shape[-1])
 
 
+def image_embeds(model, tokens, features, deepstack=()) -> dict:
+    """The Transformer's vision keywords for `tokens` [B, T]: `embeds` (the token embeddings with the image tokens'
+    replaced by `features` [n, D], in order) and `deepstack` (each [n, D] array placed at the image tokens)."""
+    dt = jnp.dtype(model.cfg.dtype)
+    mask = tokens == model.cfg.vision.image_token_id
+    x = jnp.where(mask[..., None], place(mask, features, dt), model.embed_tokens(tokens))
+    return {"embeds": x, "deepstack": tuple(place(mask, d, dt) for d in deepstack)}
+
+
 def image_forward(model, tokens, positions, pixels=None, grid_thw=None, *, segment_ids=None, **kw):
     """A Qwen3-VL forward: the tower on `pixels` / `grid_thw` (None: text only), its features in place of the image
     tokens' embeddings and added after the first decoder layers (DeepStack), then `model(tokens, positions, ...)`
     with positions [3, B, T] from `rope_index` (or [B, T] for text only). Returns the Transformer's ModelOutput."""
     if pixels is None:
         return model(tokens, positions, segment_ids=segment_ids, **kw)
-    cfg = model.cfg
-    dt = jnp.dtype(cfg.dtype)
-    feats, deep = model.vision(pixels, grid_thw, dtype=dt)
-    mask = tokens == cfg.vision.image_token_id
-    x = model.embed_tokens(tokens)
-    x = jnp.where(mask[..., None], place(mask, feats, dt), x)
-    deepstack = tuple(place(mask, d, dt) for d in deep)
-    return model(tokens, positions, segment_ids=segment_ids, embeds=x, deepstack=deepstack, **kw)
+    feats, deep = model.vision(pixels, grid_thw, dtype=jnp.dtype(model.cfg.dtype))
+    return model(tokens, positions, segment_ids=segment_ids, **image_embeds(model, tokens, feats, deep), **kw)
 
 
 def vision_names(vcfg: VisionConfig, prefix: str = "model.visual.") -> dict:
