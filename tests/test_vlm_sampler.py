@@ -113,6 +113,23 @@ def test_precomputed_features_equal_pixels(sampler, ours):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_image_batches_reuse_the_compiled_prefill(sampler):
+    """Other images of the same sizes (and text of the same lengths) compile nothing; other grids compile the
+    tower again, never the prefill (one per bucket) or the decode."""
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+    def run(rows):
+        sampler.generate([r[0] for r in rows], params, images=[ImageInputs(grids=g, pixels=p) for _, p, g in rows])
+
+    rows = prompts()
+    run(rows)
+    before = dict(sampler.traces)
+    run(prompts(seed=9))
+    assert dict(sampler.traces) == before
+    run(rows[::-1])  # the grids in another order: a new tower program
+    assert dict(sampler.traces) == {**before, "image_encode": before["image_encode"] + 1}
+
+
 def test_image_errors(sampler):
     from posttrain.errors import PosttrainError
 
