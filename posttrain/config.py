@@ -61,6 +61,9 @@ class ModelSection(Section):
     # matmul precision of the model's forward; None = JAX's default (on a TPU: bfloat16 passes for float32
     # operands). "highest" for float32-exact matmuls on a TPU; default None
     matmul_precision: Literal["default", "high", "highest"] | None = None
+    # run the decoder layers as one lax.scan when they are identical (compiles one layer, not each: docs/tpu.md);
+    # off by default until measured on a TPU
+    scan_layers: bool = False
     seed: Seed = 0  # PRNG seed of a preset's weights, LoRA adapters (and their dropout) and new heads
     # model.path is a multimodal Gemma 4 folder (model_type gemma4): load its text model only (the
     # vision and audio towers are not supported); a Gemma 3 vision-language folder (gemma3): its text model

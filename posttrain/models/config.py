@@ -82,6 +82,9 @@ class ModelConfig:
     param_dtype: str = "float32"  # storage dtype of parameters
     remat: bool = False  # recompute each layer's activations in the backward pass (saves memory)
     remat_policy: str = "full"  # what a remat layer keeps: "dots" (weight-matmul outputs) | "full" (its input only)
+    # run identical layers as ONE lax.scan over their stacked weights (models/scan.py): XLA compiles one layer, not
+    # num_layers; True = wherever the layers allow it; False (the default until it is measured on a TPU) = never
+    scan_layers: bool = False
     # matmul precision of the forward ("default" | "high" | "highest"); None = JAX's default. On a TPU the default
     # runs float32 matmuls through bfloat16 passes: "highest" for float32 exactness (parity tests)
     matmul_precision: Optional[str] = None

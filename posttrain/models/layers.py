@@ -199,6 +199,21 @@ def lora_update(module, name: str, x):
     return None if lo is None else lo(x)
 
 
+def stacked_cache_write(kv, k, v, write_index):
+    """Scanned layers (models/scan.py): kv = (keys, values, layer), the caches of every layer [L, B, K', S, P*H]
+    and this layer's index. Writes k, v [B, K, T, H] at slot `write_index` of that layer in place (the stacked
+    caches are the scan's carry: no layer's cache is copied whole) and returns (the updated caches, this layer's
+    keys and values to attend)."""
+    ks, vs, layer = kv
+    P = ks.shape[-1] // k.shape[-1]
+    zero = jnp.zeros((), jnp.int32)
+    idx = (layer, zero, zero, write_index, zero)
+    ks = jax.lax.dynamic_update_slice(ks, pack_heads(k.astype(ks.dtype), P)[None], idx)
+    vs = jax.lax.dynamic_update_slice(vs, pack_heads(v.astype(vs.dtype), P)[None], idx)
+    one = functools.partial(jax.lax.dynamic_index_in_dim, index=layer, axis=0, keepdims=False)
+    return (ks, vs), one(ks), one(vs)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention of one layer; reads and writes that layer's KV cache.
 
@@ -233,7 +248,8 @@ class Attention(nnx.Module):
     def __call__(self, x, rope, layout, kv=None, write_index=None, return_attn=False, shared=None):
         """x [B,T,D], rope: this layer's (cos, sin) from `rope_cos_sin`, layout: the masking inputs (attention.py).
 
-        kv: this layer's cache (k, v), each [B,K,S,H], or None to attend within x only.
+        kv: this layer's cache (k, v), each [B,K,S,H], or None to attend within x only. Scanned layers pass
+        (k, v, layer) of the stacked [L, ...] caches (`stacked_cache_write`) and get the stacked caches back.
         shared: a KV-shared layer's keys and values (what its source layer attended), else None.
         Returns (y [B,T,D], the (k, v) attended: the updated cache with one, else x's own [B,K,T,H];
         None for a KV-shared layer, probs [B,N,T,S] or None).
@@ -261,13 +277,16 @@ class Attention(nnx.Module):
                 v = rms_normalize(v, self.v_norm_eps)
             k = jnp.swapaxes(apply_rope(k, rope), 1, 2)  # [B,K,T,H]
             v = jnp.swapaxes(v, 1, 2)
-            if kv is not None:  # the cache may hold P heads a row (attention.pack_heads on a TPU)
-                zero = jnp.zeros((), jnp.int32)
-                idx = (zero, zero, write_index, zero)
-                P = kv[0].shape[-1] // k.shape[-1]
-                k = jax.lax.dynamic_update_slice(kv[0], pack_heads(k.astype(kv[0].dtype), P), idx)
-                v = jax.lax.dynamic_update_slice(kv[1], pack_heads(v.astype(kv[1].dtype), P), idx)
-            kv = (k, v)
+            if kv is not None and len(kv) == 3:  # layer kv[2] of stacked [L, ...] caches (scanned layers)
+                kv, k, v = stacked_cache_write(kv, k, v, write_index)
+            else:
+                if kv is not None:  # the cache may hold P heads a row (attention.pack_heads on a TPU)
+                    zero = jnp.zeros((), jnp.int32)
+                    idx = (zero, zero, write_index, zero)
+                    P = kv[0].shape[-1] // k.shape[-1]
+                    k = jax.lax.dynamic_update_slice(kv[0], pack_heads(k.astype(kv[0].dtype), P), idx)
+                    v = jax.lax.dynamic_update_slice(kv[1], pack_heads(v.astype(kv[1].dtype), P), idx)
+                kv = (k, v)
         else:
             (k, v), kv = shared, None
         out, probs = attention(q, k, v, layout, window=self.window, scale=self.scale, cap=self.attn_softcap,

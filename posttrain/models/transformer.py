@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.models import moe
+from posttrain.models import moe, scan
 from posttrain.models.attention import Layout, kv_pack, softcap
 from posttrain.models.config import ModelConfig
 from posttrain.models.deltanet import GatedDeltaNet, LinearState
@@ -139,19 +139,21 @@ class KVCache:
     pos [B, S] int32: the position of the token in each slot, -1 for an empty or padding slot.
     index: scalar int32, the next slot to write (the same for every row: prompts are left-padded).
     branch [B, S] int32 or None: the branch id of each slot, kept once a call passes branch_ids.
+    k, v: a tuple with one array a layer, or one stacked [L, B, K, S, H] array for scanned layers (models/scan.py).
     """
 
-    k: tuple
-    v: tuple
+    k: tuple | jax.Array
+    v: tuple | jax.Array
     pos: jax.Array
     index: jax.Array
     branch: Optional[jax.Array] = None
     linear: tuple = ()  # per cache layer: its LinearState (conv inputs, delta-rule state) or None (attention)
 
     @classmethod
-    def init(cls, cfg: ModelConfig, batch: int, size: int, dtype=None, pack: Optional[int] = None) -> "KVCache":
+    def init(cls, cfg: ModelConfig, batch: int, size: int, dtype=None, pack: Optional[int] = None,
+             stacked: bool = False) -> "KVCache":
         """pack: heads a row holds (attention.pack_heads); None: attention.kv_pack's choice for the backend (2
-        for 64-wide heads on a TPU, else 1)."""
+        for 64-wide heads on a TPU, else 1). stacked: k and v as [L, ...] arrays (uniform layers: scan.uniform)."""
         dtype = jnp.dtype(dtype or cfg.dtype)
         lin = [cfg.layer_type(i) == "linear" for i in range(cfg.cache_layers)]
 
@@ -169,8 +171,19 @@ class KVCache:
         states = tuple(LinearState(jnp.zeros((batch, cfg.linear_conv_kernel - 1, conv), dtype), jnp.zeros(
             (batch, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim), jnp.float32)) if x else None
             for x in lin) if any(lin) else ()
-        return cls(tuple(jnp.zeros(s, dtype) for s in shapes), tuple(jnp.zeros(s, dtype) for s in shapes),
-                   jnp.full((batch, size), -1, jnp.int32), jnp.zeros((), jnp.int32), linear=states)
+        if stacked:
+            assert scan.uniform(cfg), "a stacked cache is for uniform layers (models/scan.py)"
+            k, v = (jnp.zeros((len(shapes), *shapes[0]), dtype) for _ in range(2))
+        else:
+            k, v = (tuple(jnp.zeros(s, dtype) for s in shapes) for _ in range(2))
+        return cls(k, v, jnp.full((batch, size), -1, jnp.int32), jnp.zeros((), jnp.int32), linear=states)
+
+    def map_kv(self, fn) -> "KVCache":
+        """The cache with k and v replaced by fn(x, a) of each layer's keys or values, a = x's batch axis (1 for a
+        stacked [L, B, ...] cache, else 0)."""
+        if isinstance(self.k, tuple):
+            return dataclasses.replace(self, k=tuple(fn(x, 0) for x in self.k), v=tuple(fn(x, 0) for x in self.v))
+        return dataclasses.replace(self, k=fn(self.k, 1), v=fn(self.v, 1))
 
     @property
     def size(self) -> int:
@@ -263,7 +276,8 @@ class Transformer(nnx.Module):
 
     def forward(self, tokens, positions, *, cache: Optional[KVCache] = None, segment_ids=None, branch_ids=None,
                 return_hidden=False, return_attn=False, return_logits=True, rope_tables=None,
-                return_router_logits=False, routes=None, embeds=None, deepstack=None, image_ids=None) -> ModelOutput:
+                return_router_logits=False, routes=None, embeds=None, deepstack=None, image_ids=None,
+                layer_stack=None) -> ModelOutput:
         """tokens, positions: [B, T] int; segment_ids: [B, T] int (0 = padding) or None;
         branch_ids: [B, T] int (0 = shared prefix, b > 0 = continuation b of a prefix-shared row) or None.
 
@@ -277,7 +291,8 @@ class Transformer(nnx.Module):
         [3, B, T]: M-RoPE (the first axis orders masks and cache); deepstack: [B, T, D] arrays added to the first
         layers' outputs; image_ids: [B, T] int, 0 = text, b > 0 = image block b, whose
         tokens also attend each other in both directions (Gemma 3: vision/gemma3.py, models/attention.py; with a
-        cache, within this call's tokens)."""
+        cache, within this call's tokens).
+        layer_stack: the layers' weights stacked once by `scan.stack(model)` for calls that scan (models/scan.py)."""
         B, T = tokens.shape
         rope_pos = positions = positions.astype(jnp.int32)
         positions = positions[0] if positions.ndim == 3 else positions  # M-RoPE [3, B, T]: the text axis
@@ -316,7 +331,12 @@ class Transformer(nnx.Module):
                                                                         ("batch", "seq", "embed"))
         per_layer = None if self.ple_embed is None else self.per_layer_inputs(tokens, x)
         hidden, attns, kvs, routers = [x], [], [], []
-        for i, blk in enumerate(self.layers):
+        layers = self.layers
+        if (stack := scan.plan(self, cache, want, routes, layer_stack, deepstack)) is not None:  # one lax.scan
+            x, kvs, hidden = scan.forward(self, stack, x, ropes, layout, cache, return_hidden,
+                                            REMAT_POLICIES)
+            layers = ()
+        for i, blk in enumerate(layers):
             rt = None if routes is None or not blk.routed else routes[:, :, len(routers)]
             src = self.cfg.kv_source(i)
             shared = None if src is None else kvs[src]  # a KV-shared layer attends its source's keys and values
@@ -343,7 +363,9 @@ class Transformer(nnx.Module):
         x = self.final_norm(x)
         hidden[-1] = x
         new_cache = None
-        if cache is not None:
+        if cache is not None and stack is not None:
+            new_cache = KVCache(*kvs, k_pos, cache.index + T, k_branch)
+        elif cache is not None:
             n = self.cfg.cache_layers
             own = [(cache.k[i], cache.v[i]) if isinstance(kv, LinearState) else kv for i, kv in enumerate(kvs[:n])]
             linear = tuple(kv if isinstance(kv, LinearState) else None for kv in kvs[:n]) if cache.linear else ()

@@ -61,8 +61,10 @@ def split_devices(sc, sampler_devices: int):
 
 
 def numerics(mc) -> dict:
-    """The ModelConfig fields a model section sets beside the weights: remat, its policy, matmul precision."""
-    return dict(remat=mc.remat, remat_policy=mc.remat_policy, matmul_precision=mc.matmul_precision)
+    """The ModelConfig fields a model section sets beside the weights: remat, its policy, matmul precision, scanned
+    layers."""
+    return dict(remat=mc.remat, remat_policy=mc.remat_policy, matmul_precision=mc.matmul_precision,
+                scan_layers=mc.scan_layers)
 
 
 def preset_config(mc, tok: Tokenizer):
