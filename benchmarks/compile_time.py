@@ -28,7 +28,7 @@ ap.add_argument("--preset", default="llama3-1b")
 ap.add_argument("--shape", default="", help="ModelConfig fields replaced, e.g. embed_dim=256,vocab_size=32768")
 ap.add_argument("--layers", type=int, default=None, help="num_layers (default: the preset's)")
 ap.add_argument("--scan", default=None, action=argparse.BooleanOptionalAction,
-                help="ModelConfig.scan_layers: --scan forces it on, --no-scan off; default: the config's auto")
+                help="ModelConfig.scan_layers: --scan forces it on, --no-scan off; default: the config's (off)")
 ap.add_argument("--dtype", default="bfloat16", help="parameter and compute dtype")
 ap.add_argument("--sample", default="64:128:512", help="B:P:N prompts, prompt bucket, new tokens")
 ap.add_argument("--train", default="16:2048:16:none", help="B:T:M:REMAT rows, tokens, micro-batches, remat")
