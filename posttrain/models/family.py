@@ -13,7 +13,10 @@ walks through one.
 Also here: the RoPE translation helpers family modules share (config.json `rope_parameters` <-> RopeConfig, and
 transformers' legacy-key upgrade), so a family module imports this module only.
 
-What it is not: a second model class (families differ only in ModelConfig fields) or the GGUF names
+A multimodal folder's vision part is one `VisionFamily` record (`Family.vision`): a tower inside the Transformer
+(`ModelConfig.vision`, Qwen3-VL) or, with `build`, a model around it (Gemma 3's Gemma3VL); `vision_of(model)` finds it.
+
+What it is not: a second model class for text (families differ only in ModelConfig fields) or the GGUF names
 (`models/gguf/`).
 """
 
@@ -69,32 +72,33 @@ class Family:
     multimodal: Optional[str] = None  # model_type of a multimodal folder whose text_config is this family
     text_prefix: str = "model."  # where that folder keeps the text model's weights
     multimodal_error: Optional[Callable[[str, dict], PosttrainError]] = None  # loading that folder without text_only
-    vision: Optional["VisionHooks"] = None  # that folder loads with its tower inside the Transformer (Qwen3-VL)
     other_text_prefixes: tuple = ()  # other places such a folder may keep the text model (read when text_prefix is not)
-    vision_model: Optional["VisionFamily"] = None  # that folder loads as a model beside the Transformer (Gemma 3)
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionHooks:
-    """A vision-language family's tower (`ModelConfig.vision`): read from and written to its multimodal folder."""
-
-    config: Callable[[dict, str], Any]  # (the folder's config.json dict, where) -> ModelConfig.vision
-    names: Callable[[Any], dict]  # ModelConfig.vision -> the tower's weight-map entries (hf_names.weight_map's form)
-    to_hf: Callable[[Any, dict], dict]  # (ModelConfig.vision, the text model's config dict) -> the folder's config.json
+    vision: Optional["VisionFamily"] = None  # that folder's vision part, loaded unless text_only (Qwen3-VL, Gemma 3)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VisionFamily:
-    """A family's multimodal folder loaded whole: the vision tower and projector beside the text model (Gemma 3).
-    `hf.from_pretrained` builds it with `build` and fills it through `weight_names`; `hf.save_pretrained` writes
-    it back through the same names and `config_to_hf`."""
+    """The vision part of a family's multimodal folder: `hf.from_pretrained` reads its config with `read` and its
+    weights through `weight_names`; `hf.save_pretrained` writes them back through the same names and `config_to_hf`.
+
+    Where the tower lives: with `build` None, inside the Transformer (`ModelConfig.vision` is `read`'s result:
+    Qwen3-VL, `vision/qwen_vl.py`); else the folder loads as `build`'s model, the Transformer at `.text` beside the
+    tower, its vision config at `.vcfg` (Gemma 3: `vision/gemma3.py`'s Gemma3VL)."""
 
     architecture: str  # transformers' class ("Gemma3ForConditionalGeneration")
     read: Callable[[dict, str], Any]  # (config.json, where) -> the folder's vision config (may raise PosttrainError)
-    build: Callable[[ModelConfig, Any, Any], Any]  # (text ModelConfig, vision config, nnx.Rngs) -> the model
     # (the text model's weight map, vision config, HF key -> file or None when saving) -> the whole model's map
     weight_names: Callable[[dict, Any, Optional[dict]], dict]
     config_to_hf: Callable[[Any, dict], dict]  # (vision config, the text model's config.json dict) -> config.json
+    build: Optional[Callable[[ModelConfig, Any, Any], Any]] = None  # (text cfg, vision config, nnx.Rngs) -> model
+
+
+def vision_of(model) -> tuple:
+    """(the family's VisionFamily, the model's vision config) of a vision-language model, else (None, None)."""
+    cfg = model.cfg
+    vcfg = getattr(model, "vcfg", None) or cfg.vision
+    fam = family_named(cfg.family) if vcfg is not None else None
+    return (fam.vision, vcfg) if fam is not None and fam.vision is not None else (None, None)
 
 
 _BY_TYPE: dict[str, Family] = {}

@@ -22,8 +22,9 @@ Sequence classifiers (reward models): a model with a score head (`models/heads.p
 Gemma 4 (`models/families/gemma4.py` holds its fields and extra names): `gemma4_text` folders load like any
 other; a multimodal `gemma4` folder loads its text model only when asked (`text_only=True`), since
 its vision and audio towers are not supported; it then exports as a `gemma4_text` folder.
-A vision-language `gemma3` folder loads whole (a family's `VisionFamily`: `models/families/gemma3_vl.py`, the model
-`vision/gemma3.py`'s Gemma3VL) and exports back as one; with `text_only=True`, its text model alone.
+A vision-language folder (`qwen3_vl`, `gemma3`: its family's `VisionFamily`, `models/family.py`) loads whole and
+exports back as one: Qwen3-VL as a Transformer with its tower (`ModelConfig.vision`), Gemma 3 as `vision/gemma3.py`'s
+Gemma3VL (the `build` of `models/families/gemma3_vl.py`); with `text_only=True`, its text model alone.
 
 What it is not: a downloader. Paths are local folders; nothing is fetched from a hub.
 The tensor names of each family are `models/hf_names.py`'s weight_map.
@@ -47,6 +48,7 @@ from safetensors.numpy import save_file
 from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig
 from posttrain.models.families import family_named, family_of_multimodal
+from posttrain.models.family import vision_of
 
 # config_from_hf and config_to_hf are re-exported: `from posttrain.models.hf import config_from_hf` keeps working
 from posttrain.models.hf_config import (  # noqa: F401
@@ -146,7 +148,7 @@ def load_config(path: str, text_only: bool = False) -> ModelConfig:
 
 def _read_config(path: str, text_only: bool) -> tuple:
     """(ModelConfig, prefix of the backbone's weight names, the multimodal folder's family or None, its vision config
-    when the folder loads as a vision-language model, else None)."""
+    when the folder loads as a vision-language model, else None; a tower inside the Transformer is also cfg.vision)."""
     if not os.path.isdir(path):
         raise PosttrainError(f"{path}: model folder does not exist; pass a local Hugging Face checkpoint folder")
     cfg_file = os.path.join(path, "config.json")
@@ -160,7 +162,7 @@ def _read_config(path: str, text_only: bool) -> tuple:
         raise PosttrainError(f"{cfg_file}: invalid JSON ({e})") from None
     mt = raw.get("model_type")
     multimodal = family_of_multimodal(mt)
-    if multimodal and not text_only and multimodal.vision is None and multimodal.vision_model is None:
+    if multimodal and not text_only and multimodal.vision is None:
         raise multimodal.multimodal_error(cfg_file, raw)
     if mt not in supported() and not multimodal:
         raise PosttrainError(
@@ -170,13 +172,14 @@ def _read_config(path: str, text_only: bool) -> tuple:
     hf, tied = read_hf_config(raw, cfg_file)
     if not multimodal:
         return config_from_hf(hf, cfg_file), "model.", None, None
-    # The outer config ties the text model's lm_head (or not), as Gemma4ForConditionalGeneration. A vision tower:
-    # Qwen3-VL's is part of the Transformer (ModelConfig.vision, Family.vision); Gemma 3's is a model beside the
-    # Transformer (Family.vision_model: the folder's vision config here, its model built in from_pretrained)
-    cfg = config_from_hf(hf, f"{cfg_file} text_config")
-    tower = multimodal.vision.config(raw, cfg_file) if multimodal.vision and not text_only else None
-    vision = multimodal.vision_model.read(raw, cfg_file) if multimodal.vision_model and not text_only else None
-    return cfg.replace(tie_embeddings=tied, vision=tower), multimodal.text_prefix, multimodal, vision
+    # The outer config ties the text model's lm_head (or not), as Gemma4ForConditionalGeneration. The vision part
+    # (Family.vision): a tower inside the Transformer (no `build`: Qwen3-VL) is ModelConfig.vision; else the
+    # family's `build` makes the model around the Transformer in from_pretrained (Gemma 3)
+    cfg = config_from_hf(hf, f"{cfg_file} text_config").replace(tie_embeddings=tied)
+    vision = multimodal.vision.read(raw, cfg_file) if multimodal.vision and not text_only else None
+    if vision is not None and multimodal.vision.build is None:
+        cfg = cfg.replace(vision=vision)
+    return cfg, multimodal.text_prefix, multimodal, vision
 
 
 def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype: Optional[str] = None,
@@ -185,7 +188,8 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
 
     text_only: load the text model of a multimodal `gemma4` folder (its vision and audio towers are
     not supported; without this flag such a folder is an error saying so). A vision-language `gemma3` folder
-    loads whole (`vision/gemma3.py`'s Gemma3VL, its text model at `.text`) unless text_only.
+    and a `qwen3_vl` folder load whole (Gemma3VL with its text model at `.text`; a Transformer with its tower)
+    unless text_only.
 
     With a `mesh`, each tensor is placed directly with its logical sharding under `rules`
     (default: the fsdp_tp rules), so the model never lands whole on one device.
@@ -201,8 +205,8 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
         raise PosttrainError(f"{path}: a vision-language folder has no {head} head; pass text_only=True")
 
     def build():
-        if vision is not None:
-            return fam.vision_model.build(cfg, vision, nnx.Rngs(0))
+        if vision is not None and fam.vision.build is not None:
+            return fam.vision.build(cfg, vision, nnx.Rngs(0))
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         if head == "score":
             from posttrain.models.heads import attach_score_head
@@ -222,8 +226,8 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
     if fam is not None:  # a multimodal folder may keep its text model under another prefix
         prefix = next((p for p in (prefix, *fam.other_text_prefixes) if p + "embed_tokens.weight" in files), prefix)
     wmap = weight_map(cfg, head, prefix)
-    if vision is not None:
-        wmap = fam.vision_model.weight_names(wmap, vision, files)
+    if vision is not None:  # the tower's (and projector's) names around the text model's
+        wmap = fam.vision.weight_names(wmap, vision, files)
     fused_map = fused_names(cfg, prefix)  # Qwen3-Next: names held inside one fused tensor on disk
     fused = {part: (key, j) for key, (parts, _, _) in fused_map.items() for j, part in enumerate(parts)}
     flat = dict(nnx.to_flat_state(state))
@@ -312,10 +316,9 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
         config_extra = {"architectures": [cls], "id2label": {str(i): f"LABEL_{i}" for i in labels},
                         "label2id": {f"LABEL_{i}": i for i in labels}, **config_extra}
     tensors: dict[str, np.ndarray] = {}
-    fam = family_named(cfg.family)
-    vision = fam.vision_model if fam is not None and not isinstance(model, Transformer) else None
+    vision, vcfg = vision_of(model)  # a vision-language model: its family's VisionFamily and vision config
     wmap = weight_map(cfg, head) if vision is None else vision.weight_names(
-        weight_map(cfg, head, fam.text_prefix), model.vcfg, None)
+        weight_map(cfg, head, family_named(cfg.family).text_prefix), vcfg, None)
     for key, (names, _, save, *_alt) in wmap.items():
         arr = np.asarray(jax.device_get(flat[key][...])).astype(out_dtype)
         for n, a in zip(names, save(arr)):
@@ -353,10 +356,9 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
             extra.setdefault("eos_token_id", tokenizer.eos_id)
             extra.setdefault("pad_token_id", tokenizer.pad_id)
             tokenizer.save_pretrained(tmp)
-        hf_cfg = config_to_hf(cfg, **extra)
+        # a vision-language model: the text model's config inside the folder's, both in the written dtype
+        hf_cfg = config_to_hf(cfg.replace(param_dtype=out_dtype.name), vcfg, **extra)
         hf_cfg["dtype"] = str(out_dtype)
-        if vision is not None:  # the text model's config inside the vision-language folder's
-            hf_cfg = dict(vision.config_to_hf(model.vcfg, hf_cfg), dtype=str(out_dtype))
         with open(os.path.join(tmp, "config.json"), "w") as fh:
             json.dump(hf_cfg, fh, indent=2)
         with open(os.path.join(tmp, EXPORT_MARKER), "w") as fh:  # what a later export may replace

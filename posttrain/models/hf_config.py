@@ -103,8 +103,10 @@ def config_from_hf(hf, where: str = "config.json") -> ModelConfig:
     return ModelConfig(**kw)
 
 
-def config_to_hf(cfg: ModelConfig, **extra) -> dict:
-    """A transformers config dict (model_type + fields) for a ModelConfig."""
+def config_to_hf(cfg: ModelConfig, vision=None, **extra) -> dict:
+    """A transformers config dict (model_type + fields) for a ModelConfig. vision: the vision config of a
+    vision-language model (default `cfg.vision`): the dict is then the family's multimodal folder's
+    (`Family.vision.config_to_hf` around the text config), `extra` at its top level."""
     fam = family_named(cfg.family)
     if fam is None:
         raise PosttrainError(f"cannot export family {cfg.family!r}; supported: {supported()}")
@@ -137,8 +139,9 @@ def config_to_hf(cfg: ModelConfig, **extra) -> dict:
                             for i in range(cfg.num_layers)]
     fam.config_to_hf(cfg, d)
     d["dtype"] = cfg.param_dtype
-    if cfg.vision is not None:  # a vision-language folder: the text config nested in the family's own
-        d = fam.vision.to_hf(cfg.vision, d)
+    vision = cfg.vision if vision is None else vision
+    if vision is not None:  # a vision-language folder: the text config nested in the family's own
+        d = fam.vision.config_to_hf(vision, d)
     d.update(extra)
     return d
 

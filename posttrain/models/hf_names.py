@@ -1,7 +1,8 @@
 """Hugging Face tensor names <-> posttrain parameter paths (`weight_map`), for every family: what
 `models/hf.py` reads and writes and `models/gguf/` exports. Fused posttrain layouts (qkv, gate/up, experts)
 are split back into HF names on the way out. A family adds or replaces names through its Family record
-(`models/family.py`: `weight_names`, `expert_names`; Qwen3-Next's fused on-disk tensors: `fused_names`)."""
+(`models/family.py`: `weight_names`, `expert_names`; Qwen3-Next's fused on-disk tensors: `fused_names`); a
+vision-language folder's tower names come from its `VisionFamily.weight_names` around these (`hf.py`)."""
 
 from __future__ import annotations
 
@@ -53,10 +54,9 @@ def _attn_map(m: dict, cfg: ModelConfig, i: int, a: str) -> None:
 def weight_map(cfg: ModelConfig, head: Optional[str] = None,
                prefix: str = "model.") -> dict[tuple, tuple[list[str], Callable, Callable]]:
     """head=None: the causal LM (lm_head unless tied); "score": a sequence classifier (score, no lm_head).
-    prefix: where the backbone's weights live (a multimodal Gemma 4 folder: `model.language_model.`)."""
+    prefix: where the backbone's weights live (a multimodal folder: its family's `text_prefix`). The text model's
+    names only: a vision-language model's whole map is its family's `VisionFamily.weight_names` around this one."""
     fam = family_named(cfg.family)
-    if cfg.vision is not None:  # a vision-language folder: the text model under the family's prefix, the tower
-        prefix = fam.text_prefix
     gemma_sandwich = cfg.sandwich_norm
     ident = (lambda a: a, lambda a: [a])
     m: dict = {("embed",): ([prefix + "embed_tokens.weight"], *ident),
@@ -90,8 +90,6 @@ def weight_map(cfg: ModelConfig, head: Optional[str] = None,
             m[("layers", i, "mlp_norm", "scale")] = ([p + "post_attention_layernorm.weight"], *ident)
     if fam is not None:
         fam.weight_names(m, cfg, prefix)
-    if cfg.vision is not None:
-        m.update(fam.vision.names(cfg.vision))
     return m
 
 

@@ -94,4 +94,4 @@ GEMMA3 = register_family(Family(
     config_fields=_softcap_fields, config_to_hf=_softcap_to_hf, rope_by_layer_type=True, layer_types_always=True,
     # a `gemma3` folder (Gemma3ForConditionalGeneration): whole (families/gemma3_vl.py), or its text model (text_only)
     multimodal=gemma3_vl.MULTIMODAL, text_prefix=gemma3_vl.TEXT_PREFIX,
-    other_text_prefixes=gemma3_vl.OTHER_TEXT_PREFIXES, vision_model=gemma3_vl.GEMMA3_VISION))
+    other_text_prefixes=gemma3_vl.OTHER_TEXT_PREFIXES, vision=gemma3_vl.GEMMA3_VISION))

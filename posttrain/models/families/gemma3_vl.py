@@ -1,7 +1,8 @@
 """Gemma 3 vision-language folders (config.json model_type `gemma3`, transformers' Gemma3ForConditionalGeneration)
-loaded whole: the `VisionFamily` record the `gemma3_text` family (families/gemma.py) carries. Its config translation
-both ways (Gemma3Config: `text_config`, `vision_config` (SiglipVisionConfig), `mm_tokens_per_image`,
-`image_token_index`, `boi_token_index`, `eoi_token_index`, the outer `tie_word_embeddings`) and its weight names.
+loaded whole: the `VisionFamily` record (with `build`: a model beside the Transformer) the `gemma3_text` family
+(families/gemma.py) carries. Its config translation both ways (Gemma3Config: `text_config`, `vision_config`
+(SiglipVisionConfig), `mm_tokens_per_image`, `image_token_index`, `boi_token_index`, `eoi_token_index`, the outer
+`tie_word_embeddings`) and its weight names.
 
 Weight names as transformers 5.12's save_pretrained writes them (its "llava" conversion reversed):
 `language_model.model.*` (the text model), `vision_tower.*` (SigLIP: embeddings, encoder.layers, post_layernorm),
@@ -81,5 +82,5 @@ def config_to_hf(vcfg, text: dict) -> dict:
                 eoi_token_index=vcfg.eoi_token_id, tie_word_embeddings=text["tie_word_embeddings"])
 
 
-GEMMA3_VISION = VisionFamily(architecture="Gemma3ForConditionalGeneration", read=read, build=build,
-                             weight_names=weight_names, config_to_hf=config_to_hf)
+GEMMA3_VISION = VisionFamily(architecture="Gemma3ForConditionalGeneration", read=read, weight_names=weight_names,
+                             config_to_hf=config_to_hf, build=build)

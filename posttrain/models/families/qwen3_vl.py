@@ -1,7 +1,7 @@
 """Qwen3-VL dense (transformers `qwen3_vl`, `Qwen3VLForConditionalGeneration`): the text model (`qwen3_vl_text`: a
 Qwen3 with interleaved M-RoPE, `RopeConfig.mrope_section`) and the hooks that read and write its vision tower
-(`posttrain/vision/qwen_vl.py`). A family module, not a model: the one Transformer runs the text, with the tower
-as `ModelConfig.vision`.
+(`posttrain/vision/qwen_vl.py`): a `VisionFamily` without `build`. A family module, not a model: the one Transformer
+runs the text, with the tower as `ModelConfig.vision`.
 
 A `qwen3_vl` folder keeps the text model under `model.language_model.`, the tower under `model.visual.` and
 `lm_head.weight` at the top (tied or not by the outer config's tie_word_embeddings); config.json nests
@@ -18,7 +18,7 @@ import dataclasses
 
 from posttrain.errors import PosttrainError
 from posttrain.models.config import ModelConfig
-from posttrain.models.family import Family, VisionHooks, register_family, rope_from_hf
+from posttrain.models.family import Family, VisionFamily, register_family, rope_from_hf
 
 MULTIMODAL = "qwen3_vl"
 MROPE_SECTION = (24, 20, 20)  # Qwen3VLTextRotaryEmbedding's default
@@ -67,10 +67,11 @@ def vision_config(raw: dict, where: str):
     return v
 
 
-def vision_names(v) -> dict:
+def vision_names(text_map: dict, v, files=None) -> dict:
+    """The whole model's map: the text model's entries and the tower's (("vision", ...), under `model.visual.`)."""
     from posttrain.vision.qwen_vl import vision_names
 
-    return vision_names(v)
+    return {**text_map, **vision_names(v)}
 
 
 def vision_to_hf(v, text: dict) -> dict:
@@ -79,7 +80,7 @@ def vision_to_hf(v, text: dict) -> dict:
     vision["deepstack_visual_indexes"] = list(v.deepstack_visual_indexes)
     vision["model_type"] = "qwen3_vl_vision"
     ids = {f.name: getattr(v, f.name) for f in dataclasses.fields(v) if f.name.endswith("_token_id")}
-    return dict(model_type=MULTIMODAL, architectures=["Qwen3VLForConditionalGeneration"], text_config=text,
+    return dict(model_type=MULTIMODAL, architectures=[QWEN3_VL.vision.architecture], text_config=text,
                 vision_config=vision, tie_word_embeddings=text.pop("tie_word_embeddings"), dtype=text.get("dtype"),
                 **ids)
 
@@ -91,4 +92,5 @@ QWEN3_VL = register_family(Family(
                   rms_norm_eps=1e-6),
     default_theta=500_000.0, fields=dict(qk_norm=True), config_fields=config_fields, config_to_hf=config_to_hf,
     multimodal=MULTIMODAL, text_prefix="model.language_model.",
-    vision=VisionHooks(config=vision_config, names=vision_names, to_hf=vision_to_hf)))
+    vision=VisionFamily(architecture="Qwen3VLForConditionalGeneration", read=vision_config, weight_names=vision_names,
+                        config_to_hf=vision_to_hf)))
