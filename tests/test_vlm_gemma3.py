@@ -283,11 +283,12 @@ def test_text_only_equals_transformers_without_images(folder, hf_model):
 
 
 def test_sampler_with_images_equals_transformers_generate(model, hf_model):
-    """The Sampler prefills left-padded prompts with their images (pixels=), then decodes: 24 greedy tokens and
+    """The Sampler prefills left-padded prompts with their images (images=), then decodes: 24 greedy tokens and
     their log-probs equal transformers' generate (KV cache, pixels at the first step only)."""
     import copy
 
     from posttrain.generate import Sampler, SamplingParams
+    from posttrain.generate.vision import ImageInputs
 
     rng = np.random.default_rng(10)
     prompts = [row(rng, [3, "I", 2]), row(rng, ["I", 1, "I", 4])]
@@ -307,7 +308,8 @@ def test_sampler_with_images_equals_transformers_generate(model, hf_model):
         want.append(tokens.tolist())
         want_lp.append(logps[torch.arange(steps), tokens].numpy())
     sampler = Sampler(model, max_len=64)
-    got = sampler.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0), pixels=pixels)
+    got = sampler.generate(prompts, SamplingParams(max_new_tokens=steps, temperature=0.0),
+                           images=[ImageInputs(pixels=pixels[:1]), ImageInputs(pixels=pixels[1:])])
     assert [t[:n].tolist() for t, n in zip(got.tokens, got.lengths)] == want
     assert len(set(want[0] + want[1])) > 4  # not one token repeated
     np.testing.assert_allclose(got.logprobs, np.stack(want_lp), atol=2e-5)

@@ -26,6 +26,15 @@ from flax import nnx
 
 from posttrain.errors import PosttrainError
 from posttrain.generate.sampling import SamplingParams, select
+from posttrain.generate.shapes import (  # noqa: F401 (re-exported)
+    BLOCK_STEP,
+    SLOT_STEP,
+    default_buckets,
+    grow,
+    phase_sizes,
+    round_up,
+    stop_sequence_array,
+)
 from posttrain.models import scan
 from posttrain.models.moe import chosen_experts
 from posttrain.models.transformer import KVCache, Transformer, with_compute_dtype
@@ -68,61 +77,6 @@ class Turn:
         return len(self.lengths)
 
 
-def phase_sizes(prompt: int, max_new: int) -> list[int]:
-    """Cache sizes of the decode phases: up to 4 equal steps from `prompt` to `prompt + max_new - 1`.
-
-    Decode attention costs the cache size (measured linear on CPU), so a cache that grows in
-    phases saves about a quarter of it; each phase is one more compiled loop body, hence few
-    phases, and one for short generations.
-    """
-    need = max_new - 1  # slots the decode steps write after the prompt
-    phases = 1 if need < 64 else min(4, need // 32)
-    step = -(-need // phases)
-    return [prompt + min(need, step * (j + 1)) for j in range(phases)]
-
-
-def grow(cache: KVCache, size: int) -> KVCache:
-    """The cache padded with empty slots (pos -1) to `size` slots."""
-    extra = size - cache.size
-    if extra <= 0:
-        return cache
-
-    def pad(x, value=0, axis=2):  # a concatenate: measured ~30 % faster than jnp.pad on CPU
-        fill = jnp.full(x.shape[:axis] + (extra,) + x.shape[axis + 1:], value, x.dtype)
-        return jnp.concatenate([x, fill], axis=axis)
-
-    return dataclasses.replace(cache.map_kv(lambda x, a: pad(x, 0, a + 2)), pos=pad(cache.pos, -1, axis=1),
-                               branch=None if cache.branch is None else pad(cache.branch, 0, axis=1))
-
-
-def _round_up(x: int, step: int) -> int:
-    return -(-x // step) * step
-
-
-BLOCK_STEP = 16  # appended blocks are padded to a multiple of this many tokens (fewer compiled shapes)
-SLOT_STEP = 64  # a later turn's cache holds a multiple of this many slots
-
-
-def stop_sequence_array(seqs: Sequence[Sequence[int]]) -> Optional[np.ndarray]:
-    """[Q, L] int32 stop sequences, right-aligned, -1 = any token (shorter sequences); None for none."""
-    seqs = [list(map(int, s)) for s in seqs if len(s)]
-    if not seqs:
-        return None
-    L = max(map(len, seqs))
-    out = np.full((len(seqs), L), -1, np.int32)
-    for i, q in enumerate(seqs):
-        out[i, L - len(q):] = q
-    return out
-
-
-def default_buckets(max_len: int) -> tuple[int, ...]:
-    b, out = 16, []
-    while b < max_len:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (max_len,)
-
-
 class Sampler:
     def __init__(self, model: Transformer, *, max_len: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, pad_id: int = 0, mesh=None, rules=None,
@@ -163,6 +117,7 @@ class Sampler:
         self._turn = jax.jit(self._turn_fn, static_argnames=("params", "max_new", "phases"))
         self._keep = jax.jit(self._keep_fn, static_argnames=("size",))
         self._images = None  # generate/vision.py's ImagePrefill, made at the first call with images
+        self.vision = getattr(model, "vcfg", None) or self.cfg.vision  # a vision-language model's vision config
 
     def update(self, model_or_state) -> None:
         """Use new weights (e.g. after a training step); shapes are unchanged, nothing recompiles."""
@@ -193,20 +148,18 @@ class Sampler:
 
     # --------------------------------------------------------------------------------- jitted parts
 
-    def _prefill_fn(self, state, tokens, positions, segments, record=False, extras=None, pixels=None):
+    def _prefill_fn(self, state, tokens, positions, segments, record=False, extras=None):
         with use_mesh(self.mesh, self.rules):
-            return self._prefill_body(state, tokens, positions, segments, record, extras, pixels)
+            return self._prefill_body(state, tokens, positions, segments, record, extras)
 
-    def _prefill_body(self, state, tokens, positions, segments, record=False, extras=None, pixels=None):
+    def _prefill_body(self, state, tokens, positions, segments, record=False, extras=None):
         """The prompts' next-token logits and a cache of exactly the prompt bucket (decode grows it); with
         `record` also the experts of every prompt token ([B, P, M, k]); extras: image rows' forward keywords
-        (generate/vision.py: embeds, deepstack) with positions [3, B, P]; pixels: a Gemma3VL model's images
-        (vision/gemma3.py)."""
+        (generate/vision.py's ImagePrefill: embeds and deepstack with positions [3, B, P], or embeds and image_ids)."""
         self.traces["prefill"] += 1
         model, head = self._merge(state)
         cache = KVCache.init(self.cfg, tokens.shape[0], tokens.shape[1], stacked=self._scan)
-        images = () if pixels is None else (pixels,)
-        out = model(tokens, positions, *images, cache=cache, segment_ids=segments, return_hidden=True,
+        out = model(tokens, positions, cache=cache, segment_ids=segments, return_hidden=True,
                     return_logits=False, return_router_logits=record, **(extras or {}))
         logits = model.unembed(out.hidden[-1][:, -1:], head)[:, 0]
         if record:
@@ -342,11 +295,10 @@ class Sampler:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: Optional[SamplingParams] = None, *,
                  key: Optional[jax.Array] = None, stop_ids: Optional[Sequence[Sequence[int]]] = None,
-                 max_new_tokens: Optional[Sequence[int]] = None, images=None, pixels=None) -> Completions:
+                 max_new_tokens: Optional[Sequence[int]] = None, images=None) -> Completions:
         """Continue each prompt (token ids). stop_ids / max_new_tokens optionally differ per prompt.
-        images (Qwen3-VL): one `generate.vision.ImageInputs` (or None) per prompt, for its image tokens (each
-        image's full run, e.g. `qwen_vl_image_tokens(grid)` tokens: `expand_image_tokens`).
-        pixels (Gemma 3): a Gemma3VL model's images for the prompts' image tokens, in prompt order (vision/gemma3)."""
+        images (a vision-language model: Qwen3-VL, Gemma3VL): one `generate.vision.ImageInputs` (or None) per
+        prompt, for its image tokens (each image's full run, e.g. `expand_image_tokens`)."""
         params = SamplingParams() if params is None else params
         if not prompts:
             raise PosttrainError("generate: no prompts given")
@@ -390,8 +342,6 @@ class Sampler:
                 self._images = ImagePrefill(self)
             pos, delta, keywords = self._images(toks, segs, images)
             next_pos, extras = lens + delta, {"extras": keywords}  # decode: text position + delta (M-RoPE)
-        if pixels is not None:
-            extras["pixels"] = jnp.asarray(pixels)
         pre = self._prefill(self._weights, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs), record=record,
                             **extras)
         logits, cache = pre[:2]
@@ -498,7 +448,7 @@ class Sampler:
                                  f"max_len={self.max_len}; lower the budget or build the Sampler with a larger max_len")
         R = min(turn.max_rows, max(8, 1 << (k - 1).bit_length()))
         R = max(R, k)
-        W = _round_up(max(map(len, blocks)), BLOCK_STEP)
+        W = round_up(max(map(len, blocks)), BLOCK_STEP)
         toks, segs, pos = (np.full((R, W), self.pad_id, np.int32), np.zeros((R, W), np.int32),
                            np.zeros((R, W), np.int32))
         for j, (r, b) in enumerate(zip(rows, blocks)):
@@ -511,7 +461,7 @@ class Sampler:
         key = jax.random.key(0) if key is None else key
         # the cache keeps its size while the turn fits (one compiled turn for every turn of that size) and
         # grows by SLOT_STEP slots when it does not: the block, then up to M - 1 decode writes
-        size = max(turn.cache.size, _round_up(turn.index + W + M - 1, SLOT_STEP))
+        size = max(turn.cache.size, round_up(turn.index + W + M - 1, SLOT_STEP))
         cache = self._keep(turn.cache, jnp.asarray(keep), size=size)
         head = {"tokens": jnp.asarray(toks), "positions": jnp.asarray(pos), "segments": jnp.asarray(segs)}
         out = self._turn(self._weights, cache, head, key, jnp.asarray(self._stops(params, R)), jnp.asarray(row_max),

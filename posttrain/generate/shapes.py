@@ -1,0 +1,70 @@
+"""The Sampler's compiled shapes: the prompt buckets, the decode phases the KV cache grows through (`phase_sizes`,
+`grow`), the block and slot steps of multi-turn sampling, and the stop-sequence array.
+
+What it is: small pure helpers `generate/sampler.py` uses (and re-exports); what it is not: any jitted function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from posttrain.models.transformer import KVCache
+
+
+def phase_sizes(prompt: int, max_new: int) -> list[int]:
+    """Cache sizes of the decode phases: up to 4 equal steps from `prompt` to `prompt + max_new - 1`.
+
+    Decode attention costs the cache size (measured linear on CPU), so a cache that grows in
+    phases saves about a quarter of it; each phase is one more compiled loop body, hence few
+    phases, and one for short generations.
+    """
+    need = max_new - 1  # slots the decode steps write after the prompt
+    phases = 1 if need < 64 else min(4, need // 32)
+    step = -(-need // phases)
+    return [prompt + min(need, step * (j + 1)) for j in range(phases)]
+
+
+def grow(cache: KVCache, size: int) -> KVCache:
+    """The cache padded with empty slots (pos -1) to `size` slots."""
+    extra = size - cache.size
+    if extra <= 0:
+        return cache
+
+    def pad(x, value=0, axis=2):  # a concatenate: measured ~30 % faster than jnp.pad on CPU
+        fill = jnp.full(x.shape[:axis] + (extra,) + x.shape[axis + 1:], value, x.dtype)
+        return jnp.concatenate([x, fill], axis=axis)
+
+    return dataclasses.replace(cache.map_kv(lambda x, a: pad(x, 0, a + 2)), pos=pad(cache.pos, -1, axis=1),
+                               branch=None if cache.branch is None else pad(cache.branch, 0, axis=1))
+
+
+def round_up(x: int, step: int) -> int:
+    return -(-x // step) * step
+
+
+BLOCK_STEP = 16  # appended blocks are padded to a multiple of this many tokens (fewer compiled shapes)
+SLOT_STEP = 64  # a later turn's cache holds a multiple of this many slots
+
+
+def stop_sequence_array(seqs: Sequence[Sequence[int]]) -> Optional[np.ndarray]:
+    """[Q, L] int32 stop sequences, right-aligned, -1 = any token (shorter sequences); None for none."""
+    seqs = [list(map(int, s)) for s in seqs if len(s)]
+    if not seqs:
+        return None
+    L = max(map(len, seqs))
+    out = np.full((len(seqs), L), -1, np.int32)
+    for i, q in enumerate(seqs):
+        out[i, L - len(q):] = q
+    return out
+
+
+def default_buckets(max_len: int) -> tuple[int, ...]:
+    b, out = 16, []
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_len,)
