@@ -17,6 +17,9 @@ Errors (PosttrainError naming FILE:LINE or FILE:row N, skipped and counted under
 rows): an image that is missing or unreadable, a count of images different from the image parts, an `images`
 column with a text model, a plain-string prompt with images (the template has no place for them).
 
+RL prompt rows (TRL's GRPOTrainer: a `prompt` of messages + `images` or `image`) go through `encode_image_prompt`
+(the generation prompt, no loss mask; plain-text turns get their images before the first user turn's text).
+
 What it is not: the batch layout (`pipeline`, `vision.batched.row_tables`), Gemma 3's image tokens, or video.
 """
 
@@ -29,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from posttrain.data.formats import detect_format, tokenize_row
+from posttrain.data.formats import detect_format, messages, tokenize_row
 from posttrain.errors import PosttrainError
 from posttrain.vision.batched import row_tables
 from posttrain.vision.preprocess import ImageSettings, qwen_vl_image_tokens
@@ -130,6 +133,49 @@ def encode_image_row(row: dict, where: str, tok, spec: ImageSpec, base: Path, **
         raise PosttrainError(f"{where}: the row has {len(images)} image(s) in 'images' but {count} "
                              f'{{"type": "image"}} content part(s); give one image per image part, in order')
     ids, mask = tokenize_row(row, where, tok, **format_kw)
+    return _expand(ids, mask, images, where, spec, base)
+
+
+def _first_user_images(msgs: list, count: int) -> list:
+    """TRL's `prepare_multimodal_messages` for a prompt without image parts: the first user turn whose content is a
+    string gets `count` image parts before its text."""
+    out, done = [], False
+    for m in msgs:
+        if isinstance(m, dict) and m.get("role") == "user" and isinstance(m.get("content"), str) and not done:
+            m = {**m, "content": [{"type": "image"}] * count + [{"type": "text", "text": m["content"]}]}
+            done = True
+        out.append(m)
+    return out
+
+
+def encode_image_prompt(row: dict, where: str, tok, spec: ImageSpec, base: Path):
+    """(ids, pixels, grids) of an RL prompt row with images (TRL's GRPOTrainer rows: a `prompt` of messages with
+    {"type": "image"} parts, or plain-text turns whose first user turn then gets the images before its text, as TRL's
+    `prepare_multimodal_messages`; the images in `images`, or one in `image`), rendered with the generation prompt
+    and each <|image_pad|> expanded as Qwen3VLProcessor does."""
+    images = row["images"] if "images" in row else [row["image"]]
+    if not isinstance(images, list):
+        images = [images]
+    prompt = row["prompt"]
+    if not isinstance(prompt, list):
+        raise PosttrainError(f"{where}: a prompt with images must be a list of messages (conversational) with "
+                             f'{{"type": "image"}} content parts where the images go; this one is '
+                             f"{type(prompt).__name__}")
+    msgs, count = _parts(prompt, where, "prompt")
+    if count == 0:
+        msgs, count = _parts(_first_user_images(msgs, len(images)), where, "prompt")
+    if count != len(images):
+        raise PosttrainError(f"{where}: the row has {len(images)} image(s) but {count} "
+                             f'{{"type": "image"}} content part(s); give one image per image part, in order')
+    ids = tok.apply_chat_template(messages({"prompt": msgs}, "prompt", where), add_generation_prompt=True,
+                                  where=where)
+    ids, _, pixels, grids = _expand(list(ids), [0] * len(ids), images, where, spec, base)
+    return ids, pixels, grids
+
+
+def _expand(ids: list, mask: list, images: list, where: str, spec: ImageSpec, base: Path):
+    """(ids, mask, pixels, grids): each image token of `ids` repeated to its image's token count (mask values with
+    it), the images read and patched."""
     cfg = spec.vision
     at = [i for i, t in enumerate(ids) if t == cfg.image_token_id]
     if len(at) != len(images):

@@ -6,6 +6,10 @@ with the tokenizer's specials, e.g. BOS) or a list of messages (rendered by the 
 with the generation prompt). Every other column (e.g. "answer") is kept and handed to the reward
 functions, as TRL does. A missing or empty prompt, or one longer than `max_prompt_length` tokens
 (the sampler's budget), raises naming FILE:LINE, or is skipped and counted with `skip_bad_rows`.
+With `images` (a `data.images.ImageSpec`, from a Qwen3-VL folder) a row with an `images` (or `image`) column is
+TRL's vision prompt (`data.images.encode_image_prompt`: image tokens expanded; the pixels and grids kept on the
+Prompt for the sampler and the update); a bad image is a row error as in SFT. The columns, `images` included, still
+go to the reward functions, as TRL passes them.
 
 What it is not: the rollout (`posttrain/rl/rollout.py`).
 """
@@ -13,11 +17,13 @@ What it is not: the rollout (`posttrain/rl/rollout.py`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from posttrain.data.formats import messages
+from posttrain.data.images import encode_image_prompt, has_images
 from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
@@ -28,15 +34,26 @@ class Prompt:
     prompt: object  # the row's "prompt" as given (str or messages), for reward functions
     columns: dict = field(default_factory=dict)  # the row's other columns
     where: str = ""
+    pixels: Optional[np.ndarray] = None  # float32 [patches, dim]: an image prompt's patches (data/images.py)
+    grids: Optional[np.ndarray] = None  # int64 [images, 3]: their (t, h, w) grids
 
 
-def tokenize_prompt(row, where: str, tok, max_prompt_length: int) -> Prompt:
+def _image_row(row) -> bool:
+    return isinstance(row, dict) and (has_images(row) or row.get("image") is not None)
+
+
+def tokenize_prompt(row, where: str, tok, max_prompt_length: int, images=None, base=None) -> Prompt:
     if not isinstance(row, dict) or "prompt" not in row:
         have = sorted(row) if isinstance(row, dict) else type(row).__name__
         raise PosttrainError(f"{where}: the row has no 'prompt' column (it has {have}); RL rows are "
                              f'{{"prompt": str or [messages], ...other columns for the reward functions}}')
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
+    prompt, pixels, grids = row["prompt"], None, None
+    if _image_row(row):
+        if images is None:
+            raise PosttrainError(f"{where}: the row has images but the model is not a vision-language model (or "
+                                 "this trainer reads text only); drop the 'images' column or use a qwen3_vl folder")
+        ids, pixels, grids = encode_image_prompt(row, where, tok, images, base)
+    elif isinstance(prompt, str):
         if not prompt.strip():
             raise PosttrainError(f"{where}: 'prompt' is empty; remove the row or fill it in")
         ids = tok.encode(prompt)
@@ -52,13 +69,16 @@ def tokenize_prompt(row, where: str, tok, max_prompt_length: int) -> Prompt:
     if reserved:
         raise PosttrainError(f"{where}: column {reserved[0]!r} is reserved (reward functions receive prompts, "
                              f"completions and completion_ids themselves); rename it")
-    return Prompt(np.asarray(ids, np.int32), prompt, {k: v for k, v in row.items() if k != "prompt"}, where)
+    return Prompt(np.asarray(ids, np.int32), prompt, {k: v for k, v in row.items() if k != "prompt"}, where,
+                  pixels, grids)
 
 
-def load_prompts(path, tok, *, max_prompt_length: int, skip_bad_rows: bool = False) -> tuple[list[Prompt], dict]:
-    """Every usable prompt of `path`; counts = {"rows", "skipped"}."""
+def load_prompts(path, tok, *, max_prompt_length: int, skip_bad_rows: bool = False,
+                 images=None) -> tuple[list[Prompt], dict]:
+    """Every usable prompt of `path`; counts = {"rows", "skipped"}; `images`: see the module docstring."""
     counts = {"rows": 0, "skipped": 0}
-    parse = lambda row, where: tokenize_prompt(row, where, tok, max_prompt_length)  # noqa: E731
+    base = Path(path) if Path(path).is_dir() else Path(path).parent
+    parse = lambda row, where: tokenize_prompt(row, where, tok, max_prompt_length, images, base)  # noqa: E731
     out = [p for p, _ in parse_rows(path, parse, counts, skip_bad_rows=skip_bad_rows)]
     if not out:
         raise PosttrainError(f"{path}: no usable prompts (rows={counts['rows']}, skipped={counts['skipped']})")
