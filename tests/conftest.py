@@ -136,6 +136,7 @@ SLOW_TESTS = {
     "test_kv_pack.py": {"test_sampler_with_a_packed_cache_equals_the_plain_one[gemma2]",
                         "test_sampler_with_a_packed_cache_equals_the_plain_one[qwen3]"},
     "test_hf_config_json.py": {"test_loading_a_model_folder_imports_no_torch"},  # a subprocess; make package runs it
+    "test_vlm_grpo.py": {"test_grpo_recipe_on_image_prompts"},  # a whole GRPO run on image prompts
 }
 
 

@@ -16,7 +16,8 @@ and, when beta > 0, reference log-probs from `frozen`, the reference model (a fr
 policy with its LoRA adapters off: `recipes.recipe.lora_reference`). Metrics: loss, policy_loss's
 (kl, clip_region_mean, ...), entropy (masked
 token mean) and logp_mismatch_max = max |trainer − sampler| log-prob over the batch's tokens
-(exactly on-policy at the first of μ iterations: ~1e-6 in float32).
+(exactly on-policy at the first of μ iterations: ~1e-6 in float32). `forward` (image rows:
+`vision.batched.forward_rows`) replaces the plain forward of the rows.
 
 What it is not: the rollout (`posttrain/rl/`) or the advantage estimator (`losses/advantages.py`).
 """
@@ -33,11 +34,11 @@ from posttrain.losses.policy import policy_loss, sampler_correction
 def make_grpo_loss(*, num_generations: int, max_new_tokens: int, temperature: float = 1.0, loss_type: str = "dapo",
                    epsilon_low: float = 0.2, epsilon_high: float = 0.2, beta: float = 0.0,
                    importance_sampling_level: str = "token", delta=None, is_mode=None, is_clip_max=3.0,
-                   is_clip_min=None):
+                   is_clip_min=None, forward=None):
     n, T = num_generations, max_new_tokens
 
     def loss_fn(policy, batch, *, frozen=None, rng=None):
-        tok, _, _, ent = branch_logps(policy, batch, n, temperature=temperature, with_entropy=True)
+        tok, _, _, ent = branch_logps(policy, batch, n, temperature=temperature, with_entropy=True, forward=forward)
         N = tok.shape[0] * n
         new = tok.reshape(N, T)
         mask = batch["score_w"].reshape(N, T).astype(jnp.float32)
@@ -47,7 +48,8 @@ def make_grpo_loss(*, num_generations: int, max_new_tokens: int, temperature: fl
         old = batch["old_logps"].reshape(N, T) if sampled is None else jax.lax.stop_gradient(new)
         ref = None
         if beta:
-            ref = jax.lax.stop_gradient(branch_logps(frozen, batch, n, temperature=temperature)[0].reshape(N, T))
+            ref = jax.lax.stop_gradient(branch_logps(frozen, batch, n, temperature=temperature,
+                                                     forward=forward)[0].reshape(N, T))
         loss, metrics = policy_loss(new, old, batch["advantages"].reshape(N), mask, loss_type=loss_type,
                                     epsilon_low=epsilon_low, epsilon_high=epsilon_high, beta=beta, ref_logps=ref,
                                     importance_sampling_level=importance_sampling_level, max_completion_length=T,

@@ -63,12 +63,18 @@ def token_logps(model, h, tgt, *, temperature: float = 1.0, with_entropy: bool =
     return tuple(None if x is None else jnp.moveaxis(x, 0, 1).reshape(B, -1)[:, :M] for x in out)
 
 
-def branch_logps(model, batch, num_branches: int, *, temperature: float = 1.0, with_entropy: bool = False):
+def branch_logps(model, batch, num_branches: int, *, temperature: float = 1.0, with_entropy: bool = False,
+                 forward=None):
     """(token_logps [B, M], sums [B, k], counts [B, k]) for a batch of prefix-shared rows; with
-    `with_entropy` also the entropy [B, M] of each scored position's distribution (0 on padding)."""
-    out = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
-                branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False,
-                **({"routes": batch["routes"]} if "routes" in batch else {}))  # MoE routing replay (RL rollouts)
+    `with_entropy` also the entropy [B, M] of each scored position's distribution (0 on padding).
+    forward(model, batch, **kw): the model's forward on the rows, when not the plain one (image rows:
+    `vision.batched.forward_rows`)."""
+    if forward is not None:
+        out = forward(model, batch, return_hidden=True, return_logits=False)
+    else:
+        out = model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
+                    branch_ids=batch["branch_ids"], return_hidden=True, return_logits=False,
+                    **({"routes": batch["routes"]} if "routes" in batch else {}))  # MoE routing replay (RL rollouts)
     h = jnp.take_along_axis(out.hidden[-1], batch["score_src"][..., None], axis=1)  # [B, M, D]
     tok, ent = token_logps(model, h, batch["score_tgt"], temperature=temperature, with_entropy=with_entropy)
     w = batch["score_w"].astype(jnp.float32)

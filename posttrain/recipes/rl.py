@@ -5,7 +5,9 @@ as the recipe (`grpo:`, `ppo:`, `online_dpo:`, ...: `config.Sampling` + `config.
 and optionally a `rollout:` section (`config.RolloutSection`). `RLRecipe.load()` does what they all did
 alike: the prompts (TRL's prompt-only rows; other columns go to the reward functions), the reward functions
 (`rewards.registry`), the row length (the longest prompt + n completion slots, rounded up to 8), the policy
-(LoRA or full, on the mesh) and the position check; then the recipe's `make_loss()`. For the batch source:
+(LoRA or full, on the mesh) and the position check; then the recipe's `make_loss()`. A recipe with
+`takes_images` reads TRL's vision prompt rows with a Qwen3-VL folder (`self.images`, `data.prompts`).
+For the batch source:
   - `make_sampler(model)`: one prompt bucket (the longest prompt's: prefill and decode compile once), on the
     sampler's own devices when `rollout.devices` is set (a data-parallel mesh of the last devices, the
     weights pushed there after every update) or the training mesh, in `rollout.dtype`;
@@ -29,7 +31,7 @@ from typing import ClassVar
 from posttrain.data.prompts import load_prompts
 from posttrain.errors import PosttrainError
 from posttrain.generate import Sampler, SamplingParams
-from posttrain.recipes.build import build_model
+from posttrain.recipes.build import build_model, image_spec
 from posttrain.recipes.recipe import Recipe, group_rows
 from posttrain.rewards.registry import reward_functions
 from posttrain.sharding import make_mesh, preset_rules
@@ -46,6 +48,7 @@ class RLRecipe(Recipe):
 
     samples = True
     rollout_options: ClassVar[tuple] = ()  # of ROLLOUT_OPTIONS, what this recipe's loss supports
+    takes_images: ClassVar[bool] = False  # reads TRL's vision prompt rows with a Qwen3-VL folder (self.images)
 
     @property
     def section(self):
@@ -81,8 +84,9 @@ class RLRecipe(Recipe):
     # ---------------------------------------------------------------- the shared opening
     def load(self) -> None:
         c, tok = self.config, self.tokenizer
+        self.images = image_spec(c.model, tok) if self.takes_images else None  # a VLM folder: image prompts
         self.prompts, self.data_stats = load_prompts(c.data.train, tok, max_prompt_length=c.data.max_prompt_length,
-                                                     skip_bad_rows=c.data.skip_bad_rows)
+                                                     skip_bad_rows=c.data.skip_bad_rows, images=self.images)
         self.longest = max(len(p.ids) for p in self.prompts)
         self.width, what = self.slot_width()
         self.length = round_up(self.longest + self.num_samples() * self.width)  # [prompt | n slots]

@@ -15,6 +15,8 @@ with the current TrainState before every step):
   4. one prefix-shared row per prompt (`data.branches.group_row`: the prompt once, its n
      completions as branches in [n, max_new] score slots) with the sampler's log-probs as the
      "old" log-probs, so no extra forward is needed when μ = 1.
+With `vision` (a Qwen3-VL model's VisionConfig) prompts with images (`Prompt.pixels`) are sampled with them and
+their rows carry M-RoPE positions and the images' patch tables (`rl/images.py`).
 The rollout is reused for `num_iterations` (μ) steps; a rollout still in use is saved in the
 checkpoint, so a killed run resumes to the same weights as an uninterrupted one.
 `metrics()` returns the host-side statistics since the last call (reward mean/std per function,
@@ -37,10 +39,12 @@ import jax
 import numpy as np
 
 from posttrain.data.branches import ROW_FIELDS, SCORE_FIELDS, group_row
+from posttrain.data.images import patch_bucket
 from posttrain.data.prompts import Prompt
 from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.advantages import estimate_advantages
 from posttrain.rewards.runner import score as score_rewards
+from posttrain.rl.images import add_image_fields, sampler_images
 from posttrain.train.step import merge
 
 
@@ -49,13 +53,15 @@ class GroupRollout:
                  params: SamplingParams, reward_funcs: Sequence[Callable], reward_weights: Sequence[float],
                  length: int, seed: int = 0, shuffle: bool = True, num_iterations: int = 1, scale: str = "group",
                  advantages: str = "group", reward_timeout_s: Optional[float] = None, on_reward_error: str = "zero",
-                 dynamic_sampling: bool = False, max_refills: int = 3):
+                 dynamic_sampling: bool = False, max_refills: int = 3, vision=None):
         self.prompts, self.tok, self.sampler, self.graphdef = prompts, tok, sampler, graphdef
         self.batch_size, self.n, self.params, self.length = batch_size, n, params, length
         self.funcs, self.weights = list(reward_funcs), np.asarray(reward_weights, np.float64)
         self.seed, self.mu, self.scale, self.advantages = seed, num_iterations, scale, advantages
         self.timeout, self.on_error = reward_timeout_s, on_reward_error
         self.dynamic, self.max_refills = dynamic_sampling, max_refills
+        self.vision = vision if vision is not None and any(p.pixels is not None for p in prompts) else None
+        self.patches = patch_bucket(prompts, vision) if self.vision is not None else 0
         ds = grain.MapDataset.range(len(prompts))
         if shuffle:
             ds = ds.shuffle(seed=seed)
@@ -101,7 +107,9 @@ class GroupRollout:
     def _sample(self, key, count: int):
         group = [self.prompts[next(self._stream)] for _ in range(count)]
         t0 = time.perf_counter()
-        out = self.sampler.generate([p.ids for p in group], self.params, key=key)
+        images = sampler_images(group) if self.vision is not None else None
+        out = self.sampler.generate([p.ids for p in group], self.params, key=key,
+                                    **({} if images is None else {"images": images}))
         t1 = time.perf_counter()
         n = self.n
         texts = out.texts(self.tok)
@@ -172,6 +180,8 @@ class GroupRollout:
         batch["old_logps"] *= batch["score_w"] != 0
         if out.routes is not None:  # routing replay: the experts each row token was routed to by the sampler
             batch["routes"] = group_routes(group, out, n, self.length)
+        if self.vision is not None:  # image prompts: M-RoPE positions, the prompts' patch tables
+            add_image_fields(batch, group, self.vision, self.patches)
         if self.sampler.dtype is not None:  # another precision than the trainer's: not the old policy's log-probs
             batch["sampler_logps"] = batch.pop("old_logps")
         return batch

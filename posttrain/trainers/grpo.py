@@ -30,7 +30,6 @@ import dataclasses
 from typing import Annotated, Literal, Optional
 
 from annotated_types import Ge
-from flax import nnx
 
 from posttrain import config as C
 from posttrain.agentic.config import EnvSection, ToolsSection, make_env_factory
@@ -39,13 +38,14 @@ from posttrain.errors import PosttrainError
 from posttrain.losses.advantages import ESTIMATORS
 from posttrain.losses.grpo import make_grpo_loss
 from posttrain.losses.policy import POLICY_LOSSES
-from posttrain.models.lora import LoraParam
 from posttrain.plan import flops_per_token
+from posttrain.recipes.build import build_model, trainable_filter
 from posttrain.recipes.recipe import Parts, group_rows, lora_reference
 from posttrain.recipes.rl import RLRecipe
 from posttrain.rl.offpolicy import StaleRollout
 from posttrain.rl.rollout import GroupRollout
 from posttrain.train.trainer import frozen_copy
+from posttrain.vision.batched import forward_rows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -123,6 +123,7 @@ class GRPOTrainer(RLRecipe):
     config_class = GRPOConfig
 
     rollout_options = ("dtype", "is_mode", "max_staleness")  # policy_loss corrects another sampler's log-probs
+    takes_images = True  # image prompts with a Qwen3-VL folder (rl/images.py; the tower frozen unless train_vision)
 
     def slot_width(self) -> tuple[int, str]:
         """An agentic episode takes up to env.max_tokens slots."""
@@ -142,12 +143,17 @@ class GRPOTrainer(RLRecipe):
         if c.moe.routing_replay and (not self.model.cfg.num_experts or self.agentic):
             raise PosttrainError("moe.routing_replay needs a mixture-of-experts model and env.enabled=false; set "
                                  "moe.routing_replay=false")
+        self.vision = self.model.cfg.vision if any(p.pixels is not None for p in self.prompts) else None
+        if self.vision is not None and self.agentic:
+            raise PosttrainError("image prompts with env.enabled are not supported yet; use text prompts or "
+                                 "env.enabled=false")
         loss_fn = make_grpo_loss(num_generations=g.num_generations, max_new_tokens=self.width,
                                  temperature=g.temperature, loss_type=g.loss_type, epsilon_low=g.epsilon_low,
                                  epsilon_high=g.epsilon_high, beta=g.beta, delta=g.delta,
                                  importance_sampling_level=g.importance_sampling_level,
                                  is_mode=c.rollout.is_mode, is_clip_max=c.rollout.is_clip_max,
-                                 is_clip_min=c.rollout.is_clip_min)
+                                 is_clip_min=c.rollout.is_clip_min,
+                                 forward=forward_rows if self.vision is not None else None)
         return lora_reference(loss_fn) if g.beta and c.lora.enabled else loss_fn
 
     def rollout(self, graphdef):
@@ -163,7 +169,7 @@ class GRPOTrainer(RLRecipe):
                                   max_tokens=c.env.max_tokens, max_turns=c.env.max_turns, fmt=c.env.format,
                                   workers=c.env.tool_workers, **common)
         rollout = GroupRollout(self.prompts, tok, sampler, graphdef, **{**self.rollout_kwargs(), **common},
-                               dynamic_sampling=g.dynamic_sampling, max_refills=g.max_refills)
+                               dynamic_sampling=g.dynamic_sampling, max_refills=g.max_refills, vision=self.vision)
         return StaleRollout(rollout, c.rollout.max_staleness) if c.rollout.max_staleness else rollout
 
     def build(self) -> Parts:
@@ -174,13 +180,19 @@ class GRPOTrainer(RLRecipe):
                    + (f"episodes of {c.env.max_turns} turns / {c.env.max_tokens} tokens, tools "
                       f"{', '.join(c.tools.names)}, verifier {c.env.verifier}" if self.agentic
                       else f"rewards {dict(g.rewards)}"))
-        return Parts(model=self.model, loss_fn=self.loss_fn, trainable=LoraParam if c.lora.enabled else nnx.Param,
+        trainable = trainable_filter(c.model, c.lora, self.model.cfg)  # a VLM's tower frozen unless train_vision
+        return Parts(model=self.model, loss_fn=self.loss_fn, trainable=trainable,
                      frozen=frozen_copy(self.model) if full_ref else None, batches=self.rollout, summary=summary,
                      flops_per_token=flops_per_token(self.model.cfg, self.length) * (4 / 3 if g.beta else 1.0))
 
     @staticmethod
     def done_line(r: dict) -> str:
         return f"{r['step']} steps, reward {r.get('reward/mean', float('nan')):.3f}"
+
+    @classmethod
+    def run_model(cls, config, tok):
+        model = build_model(config.model, tok, config.lora)
+        return model, trainable_filter(config.model, config.lora, model.cfg)  # as trained: a VLM's tower frozen
 
     @classmethod
     def plan_rows(cls, c) -> tuple[int, int]:

@@ -105,7 +105,9 @@ def place_rows(mask, features, dtype):
 def forward_rows(model, batch, **kw):
     """The model's forward on a batch of image rows (fields above plus tokens / segment_ids): the tower's features in
     place of the image tokens' embeddings, DeepStack added after the first layers, M-RoPE positions. A batch without
-    `pixels` (text rows on a vision-language model) is the plain text forward."""
+    `pixels` (text rows on a vision-language model) is the plain text forward. With `branch_ids` (prefix-shared rows,
+`rl/images.py`) the branches attend the prompt and themselves only, and only the prompt's image tokens take
+features."""
     if "pixels" not in batch:
         return model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
                      branch_ids=batch.get("branch_ids"), **kw)
@@ -114,7 +116,9 @@ def forward_rows(model, batch, **kw):
     feats, deep = tower_rows(model.vision, batch, dt)
     tokens = batch["tokens"]
     mask = tokens == cfg.vision.image_token_id
+    if "branch_ids" in batch:  # prefix-shared rows (GRPO): the images are the prompt's; a sampled image id is text
+        mask = mask & (batch["branch_ids"] == 0)
     x = jnp.where(mask[..., None], place_rows(mask, feats, dt), model.embed_tokens(tokens))
     positions = jnp.moveaxis(batch["positions"], 1, 0)  # [B, 3, T] -> [3, B, T]
-    return model(tokens, positions, segment_ids=batch["segment_ids"], embeds=x,
+    return model(tokens, positions, segment_ids=batch["segment_ids"], branch_ids=batch.get("branch_ids"), embeds=x,
                  deepstack=tuple(place_rows(mask, d, dt) for d in deep), **kw)
