@@ -136,7 +136,12 @@ SLOW_TESTS = {
     "test_kv_pack.py": {"test_sampler_with_a_packed_cache_equals_the_plain_one[gemma2]",
                         "test_sampler_with_a_packed_cache_equals_the_plain_one[qwen3]"},
     "test_hf_config_json.py": {"test_loading_a_model_folder_imports_no_torch"},  # a subprocess; make package runs it
-    "test_vlm_grpo.py": {"test_grpo_recipe_on_image_prompts"},  # a whole GRPO run on image prompts
+    # a whole GRPO run on image prompts; prefix-shared image rows vs unshared (76 s: gradients of both layouts)
+    "test_vlm_grpo.py": {"test_grpo_recipe_on_image_prompts", "test_prefix_shared_image_rows_equal_unshared_rows"},
+    # 11-27 s each on 2 cores: whole SFT runs on image rows; the scanned sampler and micro-batched steps (their
+    # forward / cached-forward / loss-and-gradient siblings stay fast)
+    "test_vlm_data.py": {"test_sft_recipe_on_image_rows_learns_and_freezes_the_tower"},
+    "test_scan_layers.py": {"test_sampler_equals_the_loop", "test_train_steps_equal_the_loop"},
 }
 
 

@@ -70,3 +70,30 @@ def make_checkpoint(family: str, path: str, seed: int = 0, tokenizer=None) -> st
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return os.fspath(path)
+
+
+def qwen3_vl_model(text: dict, vision: dict, *, image: int, video: int, start: int, end: int):
+    """A tiny random transformers Qwen3VLForConditionalGeneration (float32, untied head) whose features show: norms
+    and biases moved off their initial values, embeddings, head and the tower's position table at scale 0.5, and
+    the text q/k projections and the tower's q and k rows scaled by QK_SCALE (attention not uniform). Draws from
+    torch's global generator: seed it first."""
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=image, video_token_id=video,
+                           vision_start_token_id=start, vision_end_token_id=end, tie_word_embeddings=False)
+    model = Qwen3VLForConditionalGeneration(config).float()
+    D = vision["hidden_size"]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            elif "embed_tokens" in name or "lm_head" in name or "pos_embed" in name:
+                p.normal_(0.0, 0.5)
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(QK_SCALE)
+            elif name.endswith("attn.qkv.weight"):  # the tower's q and k rows
+                p[:2 * D].mul_(QK_SCALE)
+            elif name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model

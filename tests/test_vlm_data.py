@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import trl
-from hf_models import QK_SCALE
+from hf_models import qwen3_vl_model
 from PIL import Image
 
 from posttrain.data import load_examples, to_arrays
@@ -65,25 +65,8 @@ def image_processor():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
     torch.manual_seed(0)
-    config = Qwen3VLConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE, video_token_id=VIDEO,
-                           vision_start_token_id=START, vision_end_token_id=END, tie_word_embeddings=False)
-    model = Qwen3VLForConditionalGeneration(config).float()
-    D = VISION["hidden_size"]
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name or "lm_head" in name or "pos_embed" in name:
-                p.normal_(0.0, 0.5)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(QK_SCALE)
-            elif name.endswith("attn.qkv.weight"):
-                p[:2 * D].mul_(QK_SCALE)
-            elif name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
+    model = qwen3_vl_model(TEXT, VISION, image=IMAGE, video=VIDEO, start=START, end=END)
     path = os.fspath(tmp_path_factory.mktemp("qwen3_vl_data") / "hf")
     model.save_pretrained(path)
     hf_tokenizer(template("qwen3_vl.jinja")).save_pretrained(path)

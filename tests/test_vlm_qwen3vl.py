@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_models import QK_SCALE
+from hf_models import qwen3_vl_model
 from PIL import Image
 from safetensors import safe_open
 
@@ -33,25 +33,8 @@ TOL = 1e-4
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
     torch.manual_seed(0)
-    config = Qwen3VLConfig(text_config=TEXT, vision_config=VISION, image_token_id=IMAGE, video_token_id=91,
-                           vision_start_token_id=START, vision_end_token_id=END, tie_word_embeddings=False)
-    model = Qwen3VLForConditionalGeneration(config).float()
-    D = VISION["hidden_size"]
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            elif "embed_tokens" in name or "lm_head" in name or "pos_embed" in name:
-                p.normal_(0.0, 0.5)
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(QK_SCALE)
-            elif name.endswith("attn.qkv.weight"):  # the tower's q and k rows
-                p[:2 * D].mul_(QK_SCALE)
-            elif name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
+    model = qwen3_vl_model(TEXT, VISION, image=IMAGE, video=91, start=START, end=END)
     path = os.fspath(tmp_path_factory.mktemp("qwen3_vl") / "hf")
     model.save_pretrained(path)
     return path
