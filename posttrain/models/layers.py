@@ -199,17 +199,24 @@ def lora_update(module, name: str, x):
     return None if lo is None else lo(x)
 
 
+def cache_write(cache, x, write_index, layer=None):
+    """x [B, K, T, H] written at slot `write_index` of a layer's cache [B, K', S, P*H] (P heads a row: attention.
+    pack_heads on a TPU), or of layer `layer` of stacked caches [L, B, K', S, P*H] (scanned layers), in place."""
+    P = cache.shape[-1] // x.shape[-1]
+    zero = jnp.zeros((), jnp.int32)
+    x = pack_heads(x.astype(cache.dtype), P)
+    if layer is None:
+        return jax.lax.dynamic_update_slice(cache, x, (zero, zero, write_index, zero))
+    return jax.lax.dynamic_update_slice(cache, x[None], (layer, zero, zero, write_index, zero))
+
+
 def stacked_cache_write(kv, k, v, write_index):
     """Scanned layers (models/scan.py): kv = (keys, values, layer), the caches of every layer [L, B, K', S, P*H]
     and this layer's index. Writes k, v [B, K, T, H] at slot `write_index` of that layer in place (the stacked
     caches are the scan's carry: no layer's cache is copied whole) and returns (the updated caches, this layer's
     keys and values to attend)."""
     ks, vs, layer = kv
-    P = ks.shape[-1] // k.shape[-1]
-    zero = jnp.zeros((), jnp.int32)
-    idx = (layer, zero, zero, write_index, zero)
-    ks = jax.lax.dynamic_update_slice(ks, pack_heads(k.astype(ks.dtype), P)[None], idx)
-    vs = jax.lax.dynamic_update_slice(vs, pack_heads(v.astype(vs.dtype), P)[None], idx)
+    ks, vs = cache_write(ks, k, write_index, layer), cache_write(vs, v, write_index, layer)
     one = functools.partial(jax.lax.dynamic_index_in_dim, index=layer, axis=0, keepdims=False)
     return (ks, vs), one(ks), one(vs)
 
@@ -280,12 +287,8 @@ class Attention(nnx.Module):
             if kv is not None and len(kv) == 3:  # layer kv[2] of stacked [L, ...] caches (scanned layers)
                 kv, k, v = stacked_cache_write(kv, k, v, write_index)
             else:
-                if kv is not None:  # the cache may hold P heads a row (attention.pack_heads on a TPU)
-                    zero = jnp.zeros((), jnp.int32)
-                    idx = (zero, zero, write_index, zero)
-                    P = kv[0].shape[-1] // k.shape[-1]
-                    k = jax.lax.dynamic_update_slice(kv[0], pack_heads(k.astype(kv[0].dtype), P), idx)
-                    v = jax.lax.dynamic_update_slice(kv[1], pack_heads(v.astype(kv[1].dtype), P), idx)
+                if kv is not None:  # this layer's cache (maybe P heads a row)
+                    k, v = cache_write(kv[0], k, write_index), cache_write(kv[1], v, write_index)
                 kv = (k, v)
         else:
             (k, v), kv = shared, None

@@ -37,9 +37,16 @@ from posttrain.data.prompts import eval_prompts
 from posttrain.errors import PosttrainError
 from posttrain.evals import SampledEval
 from posttrain.models import count_params
-from posttrain.models.lora import LoraParam, adapters_off
+from posttrain.models.lora import adapters_off
 from posttrain.plan import format_plan
-from posttrain.recipes.build import build_mesh, build_model, build_tokenizer, memory_plan, split_devices
+from posttrain.recipes.build import (
+    build_mesh,
+    build_model,
+    build_tokenizer,
+    memory_plan,
+    split_devices,
+    trainable_filter,
+)
 from posttrain.recipes.lifecycle import check_processes, prepare_run_dir, run_trainer
 from posttrain.rewards.registry import reward_functions
 from posttrain.train.loop import Hook, MetricsHook
@@ -186,8 +193,11 @@ class Recipe:
 
     @classmethod
     def run_model(cls, config, tok) -> tuple[nnx.Module, Any]:
-        """(model, trainable filter) of a run of this recipe, with fresh weights (`runs.load_run` fills them)."""
-        return build_model(config.model, tok, config.lora), LoraParam if config.lora.enabled else nnx.Param
+        """(model, trainable filter) of a run of this recipe, with fresh weights (`runs.load_run` fills them); the
+        filter is the one the recipe trains with (`build.trainable_filter`: a VLM's tower frozen unless
+        model.train_vision)."""
+        model = build_model(config.model, tok, config.lora)
+        return model, trainable_filter(config.model, config.lora, model.cfg)
 
     @classmethod
     def exported(cls, config, model) -> nnx.Module:

@@ -39,7 +39,7 @@ from posttrain.losses.advantages import ESTIMATORS
 from posttrain.losses.grpo import make_grpo_loss
 from posttrain.losses.policy import POLICY_LOSSES
 from posttrain.plan import flops_per_token
-from posttrain.recipes.build import build_model, trainable_filter
+from posttrain.recipes.build import trainable_filter
 from posttrain.recipes.recipe import Parts, group_rows, lora_reference
 from posttrain.recipes.rl import RLRecipe
 from posttrain.rl.offpolicy import StaleRollout
@@ -188,11 +188,6 @@ class GRPOTrainer(RLRecipe):
     @staticmethod
     def done_line(r: dict) -> str:
         return f"{r['step']} steps, reward {r.get('reward/mean', float('nan')):.3f}"
-
-    @classmethod
-    def run_model(cls, config, tok):
-        model = build_model(config.model, tok, config.lora)
-        return model, trainable_filter(config.model, config.lora, model.cfg)  # as trained: a VLM's tower frozen
 
     @classmethod
     def plan_rows(cls, c) -> tuple[int, int]:

@@ -56,10 +56,5 @@ class SFTTrainer(Recipe):
             eval_arrays=evals, flops_per_token=flops_per_token(self.model.cfg, d.max_length),
             summary=f"{len(self.train_examples)} examples ({self.data_stats})")
 
-    @classmethod
-    def run_model(cls, config, tok):
-        model = build_model(config.model, tok, config.lora)
-        return model, trainable_filter(config.model, config.lora, model.cfg)
-
 
 RECIPE = SFTTrainer
