@@ -41,6 +41,10 @@ ap.add_argument("--rollout-dtype", default=None, help="grpo: the sampler's preci
                 "beside a float32 model; the line gets the sampler/trainer mismatch KL (sampling/mismatch_kl)")
 ap.add_argument("--is-mode", default=None, help="grpo: rollout.is_mode, the mismatch correction (token_truncate, ...)")
 ap.add_argument("--hbm-gbs", type=float, default=819.0, help="HBM bandwidth, GB/s (v5e: 819)")
+ap.add_argument("--no-clip", action="store_true", help="sft/lora: plain AdamW without the trainer's default "
+                "global-norm clipping (optim.max_grad_norm: null): the gradients need not all be live at once")
+ap.add_argument("--splash-block", type=int, default=None, help="the splash-attention tile (models/attention_tpu.py "
+                "BLOCKS: the largest that divides the row is used), e.g. 1024")
 args = ap.parse_args()
 
 import jax  # noqa: E402
@@ -54,6 +58,12 @@ from posttrain.models import Transformer, count_params, preset  # noqa: E402
 from posttrain.models.lora import LoraParam, apply_lora  # noqa: E402
 from posttrain.plan import KEYS, flops_per_token, plan  # noqa: E402
 from posttrain.train import init_state, make_train_step  # noqa: E402
+from posttrain.train.optim import make_optimizer  # noqa: E402
+
+if args.splash_block:
+    from posttrain.models import attention_tpu  # noqa: E402
+
+    attention_tpu.BLOCKS = (args.splash_block, *attention_tpu.BLOCKS)
 
 
 def stat(key):
@@ -137,7 +147,10 @@ def train(kind, B, T, M, remat):
     if kind == "lora":
         apply_lora(model, rank=16, alpha=32.0)
         trainable = LoraParam
-    opt = optax.adamw(1e-5)
+    # the trainer's default optimizer (train/optim.py: global-norm clipping at 1.0, then AdamW), constant lr
+    from posttrain.config import OptimSection
+
+    opt = optax.adamw(1e-5) if args.no_clip else make_optimizer(OptimSection(schedule="constant"), 1e-5)
     graphdef, state = init_state(model, opt, trainable=trainable)
     del model
     step = make_train_step(sft_loss, opt, graphdef, micro_batches=M, trainable=trainable)
@@ -158,7 +171,7 @@ def train(kind, B, T, M, remat):
     p = plan(cfg, batch=B // M, seq_len=T, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat,
              trainable="lora" if kind == "lora" else "full", lora_rank=16)
     return {"n_params": count_params(box[0].params) + count_params(box[0].rest), "batch": B, "seq": T,
-            "micro_batches": M, "remat": remat, "step_s": s, "step_times": [round(t, 4) for t in times],
+            "micro_batches": M, "remat": remat, "clip": not args.no_clip, "step_s": s, "step_times": [round(t, 4) for t in times],
             "first_step_s": first, "tok_s": B * T / s, "model_flops_s": flops_per_token(cfg, T) * B * T / s,
             "loss": float(m["loss"]), "plan": {k: p[k] for k in (*KEYS, "total")}, "xla_memory": mem,
             "plan_over_xla": p["total"] / mem["peak"] if "peak" in mem else None}
@@ -188,14 +201,22 @@ def sample(B, P, N):
     out, first, times = timed(lambda: sampler.generate(prompts, params, key=jax.random.key(0)), args.steps)
     assert (np.asarray(out.lengths) == N).all()
     s = statistics.median(times)
+    # the same prompts with one new token: the prefill's program alone (no decode step is compiled), so the
+    # decode step is (call - prefill call) / (N - 1)
+    one = SamplingParams(max_new_tokens=1, temperature=0.0)
+    _, first1, times1 = timed(lambda: sampler.generate(prompts, one, key=jax.random.key(0)), args.steps)
+    s1 = statistics.median(times1)
+    step = (s - s1) / (N - 1)
     w = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(args.dtype).itemsize  # K, V a token
     kv_mean = B * (P + N / 2) * kv_tok  # the filled cache, averaged over the decode steps
     need = (w + kv_mean) / (args.hbm_gbs * 1e9)
     return {"batch": B, "prompt": P, "new": N, "call_s": s, "first_call_s": first, "new_tok_s": B * N / s,
             "decode_step_s_upper": s / N, "bytes_weights": w, "bytes_kv_mean": kv_mean, "bandwidth_step_s": need,
-            "bandwidth_fraction_upper_bound": need / (s / N),
-            "note": "decode step = whole call / N (prefill included: a lower bound on the bandwidth fraction)"}
+            "bandwidth_fraction_upper_bound": need / (s / N), "prefill_call_s": s1, "decode_step_s": step,
+            "bandwidth_fraction": need / step,
+            "note": "decode_step_s = (call - the prefill-only call) / (N - 1); bandwidth_fraction = the bytes a step "
+                    "must read (weights + the mean filled KV cache) at hbm_gbs over it"}
 
 
 def grpo(P, G, L, N, remat):
@@ -232,12 +253,13 @@ def grpo(P, G, L, N, remat):
     rollout.prompts = trainer.prompts
     import dataclasses
     rollout.params = dataclasses.replace(rollout.params, stop_ids=())
-    box, gens, upd, kls = [parts.state], [], [], []
+    box, gens, upd, kls, last = [parts.state], [], [], [], []
 
     def run():
         t = time.perf_counter()
         batch = place_batch(rollout(box[0]))
         t1 = time.perf_counter()
+        last[:] = [batch]
         box[0], m = parts.step(box[0], batch)
         jax.block_until_ready(m)
         if "sampling/mismatch_kl" in m:
@@ -249,12 +271,16 @@ def grpo(P, G, L, N, remat):
     _, first, times = timed(run, args.steps)
     tokens = P * trainer.length
     u = statistics.median(upd[1:])
+    mem = xla_memory(parts.raw_step, box[0], last[0], parts.frozen)  # the state after the last step (the old one was donated)
+    p = plan(cfg, batch=P, seq_len=trainer.length, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat)
     return {"prompts": P, "generations": G, "prompt_len": L, "new": N, "remat": remat, "row_tokens": trainer.length,
             "step_s": statistics.median(times), "first_step_s": first, "generate_s": statistics.median(gens[1:]),
             "update_s": u, "update_tok_s": tokens / u, "step_times": [round(t, 3) for t in times],
             "update_model_flops_s": flops_per_token(cfg, trainer.length) * tokens / u,
             "rollout_dtype": args.rollout_dtype or args.dtype, "is_mode": args.is_mode,
-            "mismatch_kl": statistics.median(kls) if kls else None, "mismatch_kl_steps": kls}
+            "mismatch_kl": statistics.median(kls) if kls else None, "mismatch_kl_steps": kls,
+            "plan": {k: p[k] for k in (*KEYS, "total")}, "xla_memory": mem,
+            "plan_over_xla": p["total"] / mem["peak"] if "peak" in mem else None}
 
 
 def main():

@@ -3,7 +3,7 @@
 # TPU benchmark sections; everything goes to OUTDIR (install.log, tests.log, bench.log, bench.jsonl).
 #   bash scripts/tpu.sh OUTDIR [SECTION ...]          (sections: benchmarks/tpu.py; default: $DEFAULT_SECTIONS)
 # Offline TPU machine: first run scripts/tpu_wheels.sh where PyPI is reachable (fills .whl-tpu/), carry .whl-tpu.
-# Environment: TPU_SITE (install target, default /tmp/site), TPU_TESTS=0 skips the tests, TPU_TEST_S (their time
+# SECTION none: install and test only. Environment: TPU_SITE (install target, default /tmp/site), TPU_TESTS=0 skips the tests, TPU_TEST_S (their time
 # limit, default 300), TPU_TORCH=0 skips torch (the transformers comparisons then fail, not skip), TPU_CACHE (JAX's
 # persistent compilation cache folder, default /tmp/posttrain-jax-cache). docs/tpu.md says more.
 set -uo pipefail
@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 SITE=${TPU_SITE:-/tmp/site}
 DEFAULT_SECTIONS="peak sft:1:2048:1:none sft:16:2048:16:none grpo:8:8:128:128:none sft:4:2048:1:full sft:4:2048:1:dots sample:64:128:512 lora:8:2048:4:none"
-SECTIONS=${*:-$DEFAULT_SECTIONS}
+SECTIONS=${*:-$DEFAULT_SECTIONS}  # "none": install (and the tests) only
+[ "$SECTIONS" = none ] && SECTIONS=
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export JAX_PLATFORMS=${JAX_PLATFORMS:-tpu} XLA_FLAGS=${XLA_FLAGS:-}
 export JAX_COMPILATION_CACHE_DIR=${TPU_CACHE:-/tmp/posttrain-jax-cache} JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
