@@ -169,7 +169,7 @@ def train(kind, B, T, M, remat):
     s = statistics.median(times)
     mem = xla_memory(step, box[0], batch)
     p = plan(cfg, batch=B // M, seq_len=T, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat,
-             trainable="lora" if kind == "lora" else "full", lora_rank=16)
+             trainable="lora" if kind == "lora" else "full", lora_rank=16, micro_batches=M)
     return {"n_params": count_params(box[0].params) + count_params(box[0].rest), "batch": B, "seq": T,
             "micro_batches": M, "remat": remat, "clip": not args.no_clip, "step_s": s, "step_times": [round(t, 4) for t in times],
             "first_step_s": first, "tok_s": B * T / s, "model_flops_s": flops_per_token(cfg, T) * B * T / s,

@@ -157,7 +157,7 @@ def _kv_bytes(cfg: ModelConfig, i: int, rules: dict, sizes: dict) -> int:
 
 def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mapping[str, int], preset: str,
          trainable: str = "full", optimizer_slots: int = 2, remat: bool = False, kv_cache_tokens: int = 0,
-         lora_rank: int = 8, lora_targets=None) -> dict:
+         lora_rank: int = 8, lora_targets=None, micro_batches: int = 1) -> dict:
     """Bytes per device: parameters, optimizer, gradients, activations, kv_cache and total.
 
     batch: global sequences per step (split over data x fsdp); seq_len: tokens per sequence.
@@ -165,8 +165,14 @@ def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mappin
     has no gradients or optimizer state). optimizer_slots: state arrays per trainable parameter
     (AdamW: 2, SGD with momentum: 1). lora_targets: as `lora.targets` (None: every projection).
     kv_cache_tokens: cached tokens across the whole sampling
-    batch (rows x cache length), 0 for training only. Activations assume no micro-batching (with
-    M micro-batches, divide them by M).
+    batch (rows x cache length), 0 for training only. batch is one micro-batch's rows; micro_batches (M) of
+    them make an optimizer step.
+
+    The total is what XLA's buffer assignment needs at the step's peak (measured on a TPU v5e, llama3-1b,
+    docs/benchmarks.md): with one micro-batch the backward pass writes each layer's gradients as it frees that
+    layer's saved activations, so the two share their space and the larger counts (`gradients` is then reported
+    once); with M > 1 the accumulated gradients are carried through the micro-batch loop beside the current
+    micro-batch's own, so `gradients` counts twice and adds to the activations.
     """
     rules = sh.preset_rules(preset)
     sizes = _axis_sizes(mesh_shape)
@@ -191,13 +197,15 @@ def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mappin
     out = {
         "parameters": p_bytes,
         "optimizer": optimizer_slots * t_bytes,
-        "gradients": t_bytes,
+        "gradients": t_bytes * (2 if micro_batches > 1 else 1),
         "activations": _activation_bytes(model_cfg, rows, seq_len, tensor, remat),
         "kv_cache": kv,
     }
-    out["total"] = sum(out[k] for k in KEYS)
+    step = (out["gradients"] + out["activations"] if micro_batches > 1
+            else max(out["gradients"], out["activations"]))
+    out["total"] = out["parameters"] + out["optimizer"] + step + out["kv_cache"]
     out.update(preset=preset, mesh_shape=sizes, devices=math.prod(sizes.values()), rows_per_device=rows,
-               trainable=trainable, remat=remat)
+               trainable=trainable, remat=remat, micro_batches=micro_batches)
     return out
 
 
@@ -216,7 +224,9 @@ def format_plan(d: dict, device_bytes: Optional[int] = None) -> str:
     for k in KEYS:
         note = "  (estimate)" if k == "activations" else ""
         lines.append(f"  {k.replace('_', ' '):<12} {_gib(d[k]):>12}{note}")
-    lines.append(f"  {'total':<12} {_gib(d['total']):>12}")
+    shared = "gradients + activations (micro-batches)" if d.get("micro_batches", 1) > 1 else \
+        "the larger of gradients and activations (the backward pass frees one as it writes the other)"
+    lines.append(f"  {'total':<12} {_gib(d['total']):>12}  (parameters + optimizer + kv cache + {shared})")
     if device_bytes is not None:
         lines.append(f"  {'device':<12} {_gib(device_bytes):>12}")
         if d["total"] > device_bytes:

@@ -242,8 +242,10 @@ def _train_temp_bytes(T, monkeypatch=None):
     i32 = jax.ShapeDtypeStruct((1, T), jnp.int32)
     batch = dict(tokens=i32, positions=i32, segment_ids=i32, targets=i32,
                  weights=jax.ShapeDtypeStruct((1, T), jnp.float32))
-    # LLVM's optimisation level changes the machine code, not XLA's buffer assignment: O0 compiles faster
-    compiled = step.lower(state, batch).compile(compiler_options={"xla_backend_optimization_level": 0})
+    # LLVM's optimisation level changes the machine code, not XLA's buffer assignment: O0 compiles faster (a CPU
+    # option: a TPU's compiler has no such flag and refuses it)
+    opts = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else {}
+    compiled = step.lower(state, batch).compile(compiler_options=opts)
     return compiled.memory_analysis().temp_size_in_bytes
 
 

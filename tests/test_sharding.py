@@ -430,3 +430,16 @@ def test_a_hybrid_model_trains_and_samples_like_one_device():
             got = Sampler(m, max_len=32).generate(prompts, params)
         np.testing.assert_array_equal(got.tokens, ref.tokens, err_msg=name)
         np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=1e-5, err_msg=name)
+
+
+def test_plan_total_shares_gradients_with_activations_in_one_micro_batch():
+    """One micro-batch: the backward pass frees each layer's activations as it writes that layer's gradients,
+    so the larger of the two counts; micro-batches carry an accumulator beside the micro-batch's own gradients
+    (XLA's memory_analysis on a TPU v5e, llama3-1b: docs/benchmarks.md)."""
+    cfg = preset("tiny-llama", **TINY)
+    one = plan(cfg, batch=2, seq_len=16, mesh_shape={}, preset="dp")
+    four = plan(cfg, batch=2, seq_len=16, mesh_shape={}, preset="dp", micro_batches=4)
+    fixed = one["parameters"] + one["optimizer"] + one["kv_cache"]
+    assert one["total"] == fixed + max(one["gradients"], one["activations"])
+    assert four["gradients"] == 2 * one["gradients"] and four["activations"] == one["activations"]
+    assert four["total"] == fixed + four["gradients"] + four["activations"] > one["total"]

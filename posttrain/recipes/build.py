@@ -137,7 +137,8 @@ def memory_plan(c, model_cfg, mesh_shape: dict, *, seq_len: Optional[int] = None
     return plan(model_cfg, batch=c.train.micro_batch_size or c.train.batch_size,
                 seq_len=seq_len or c.data.max_length, kv_cache_tokens=kv_cache_tokens, mesh_shape=mesh_shape,
                 preset=c.sharding.preset or "dp", trainable="lora" if c.lora.enabled else "full",
-                remat=c.model.remat, lora_rank=c.lora.rank, lora_targets=c.lora.targets)
+                remat=c.model.remat, lora_rank=c.lora.rank, lora_targets=c.lora.targets,
+                micro_batches=c.train.batch_size // (c.train.micro_batch_size or c.train.batch_size))
 
 
 def weights_stamp(path: Optional[str]) -> list:
