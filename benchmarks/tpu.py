@@ -171,7 +171,8 @@ def train(kind, B, T, M, remat):
     p = plan(cfg, batch=B // M, seq_len=T, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat,
              trainable="lora" if kind == "lora" else "full", lora_rank=16, micro_batches=M)
     return {"n_params": count_params(box[0].params) + count_params(box[0].rest), "batch": B, "seq": T,
-            "micro_batches": M, "remat": remat, "clip": not args.no_clip, "step_s": s, "step_times": [round(t, 4) for t in times],
+            "micro_batches": M, "remat": remat, "clip": not args.no_clip, "step_s": s,
+            "step_times": [round(t, 4) for t in times],
             "first_step_s": first, "tok_s": B * T / s, "model_flops_s": flops_per_token(cfg, T) * B * T / s,
             "loss": float(m["loss"]), "plan": {k: p[k] for k in (*KEYS, "total")}, "xla_memory": mem,
             "plan_over_xla": p["total"] / mem["peak"] if "peak" in mem else None}
@@ -271,7 +272,8 @@ def grpo(P, G, L, N, remat):
     _, first, times = timed(run, args.steps)
     tokens = P * trainer.length
     u = statistics.median(upd[1:])
-    mem = xla_memory(parts.raw_step, box[0], last[0], parts.frozen)  # the state after the last step (the old one was donated)
+    # the state after the last step (the one before it was donated)
+    mem = xla_memory(parts.raw_step, box[0], last[0], parts.frozen)
     p = plan(cfg, batch=P, seq_len=trainer.length, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat)
     return {"prompts": P, "generations": G, "prompt_len": L, "new": N, "remat": remat, "row_tokens": trainer.length,
             "step_s": statistics.median(times), "first_step_s": first, "generate_s": statistics.median(gens[1:]),
