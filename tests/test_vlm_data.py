@@ -205,13 +205,10 @@ def test_bad_images_name_the_file_and_line(tmp_path, tok, spec, change, pattern)
     assert counts["skipped"] == 1 and len(examples) == 4
 
 
-def test_image_rows_need_a_vision_model_and_no_packing(tmp_path, tok, spec):
+def test_image_rows_need_a_vision_model_and_are_never_cut(tmp_path, tok, spec):
     path, _ = write_rows(tmp_path)
     with pytest.raises(PosttrainError, match=r"train.jsonl:1: the row has images but the model is not"):
         load_examples(path, tok, max_length=512)
-    examples, _ = load_examples(path, tok, max_length=512, images=spec)
-    with pytest.raises(PosttrainError, match="packing is not supported for image rows"):
-        to_arrays(examples, 512, PAD, True, spec.vision)
     with pytest.raises(PosttrainError, match=r"train.jsonl:1: the row is \d+ tokens long.*'drop'"):
         load_examples(path, tok, max_length=20, truncation="keep_start", images=spec)
 

@@ -212,3 +212,33 @@ def image_fields(example, row: dict, vision, patches: int) -> dict:
     except PosttrainError as err:
         raise PosttrainError(f"{example.where}: {err}") from None
     return {"positions": pos[:, 0], **row_tables(pixels, grids, vision, patches)}
+
+
+def group_patch_bucket(examples, groups, vision) -> int:
+    """`patch_bucket` for rows that each hold a group of examples (packing): the most patches any row's examples
+    hold together, rounded up the same way."""
+    most = max(sum(0 if examples[i].pixels is None else len(examples[i].pixels) for i in g) for g in groups)
+    step = max(64, vision.spatial_merge_size ** 2)
+    return max(step, -(-most // step) * step)
+
+
+def group_image_fields(group: list, row: dict, vision, patches: int) -> dict:
+    """`image_fields` of a row holding several examples (packing; segment s holds group[s - 1]): the images of all
+    of them, in order, and each segment's M-RoPE positions from its own `rope_index` (they restart at 0 in each
+    segment, as one example alone would have them). One example gives `image_fields`."""
+    positions = np.zeros((3, len(row["tokens"])), np.int32)
+    pixels, grids = [], []
+    for s, ex in enumerate(group, start=1):
+        at = row["segment_ids"] == s
+        g = ex.grids if ex.grids is not None else np.zeros((0, 3), np.int64)
+        try:
+            pos, _ = rope_index(row["tokens"][at][None], np.ones((1, int(at.sum())), bool), g, vision)
+        except PosttrainError as err:
+            raise PosttrainError(f"{ex.where}: {err}") from None
+        positions[:, at] = pos[:, 0]
+        if ex.pixels is not None:
+            pixels.append(ex.pixels)
+            grids.append(g)
+    pixels = np.concatenate(pixels) if pixels else np.zeros((0, vision.patch_dim), np.float32)
+    grids = np.concatenate(grids) if grids else np.zeros((0, 3), np.int64)
+    return {"positions": positions, **row_tables(pixels, grids, vision, patches)}

@@ -20,7 +20,8 @@ Packing is first-fit in example order (each example goes into the first row with
 once; `batches` then shuffles whole rows, differently each epoch. Packing once keeps every row
 a pure function of its index, which is what makes Grain's index-based checkpoint exact and
 cheap; the price is that the same examples always share a row (harmless: segments never see
-each other).
+each other). Image rows pack too: a row carries its examples' images in order, each segment's M-RoPE
+positions restart (`data.images.group_image_fields`), and the patch bucket is the most patches of a row.
 
 What it is not: no streaming of datasets larger than host memory (examples are held as small
 int32 arrays), no multi-host sharding (slice the returned dataset per process), no tokenization
@@ -37,7 +38,7 @@ import grain
 import numpy as np
 
 from posttrain.data.formats import tokenize_row
-from posttrain.data.images import encode_image_row, has_images, image_fields, patch_bucket
+from posttrain.data.images import encode_image_row, group_image_fields, group_patch_bucket, has_images
 from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
@@ -132,9 +133,6 @@ def pack_first_fit(lengths, seq_len: int) -> list[list[int]]:
 
 
 def _row_groups(examples: list[Example], seq_len: int, packing: bool) -> list[tuple[int, ...]]:
-    if packing and examples and any(ex.pixels is not None for ex in examples):
-        raise PosttrainError("data.packing is not supported for image rows yet (each row's images and M-RoPE "
-                             "positions are laid out per row); set data.packing=false")
     if not isinstance(seq_len, int) or seq_len < 2:
         raise PosttrainError(f"seq_len={seq_len!r} must be an int >= 2")
     if not examples:
@@ -172,7 +170,7 @@ def _build_row(group, examples: list[Example], seq_len: int, pad_id: int, vision
         row["weights"][start : end - 1] = mask[1:]
         start = end
     if vision is not None:  # an image dataset: every row (text ones too) carries the image fields
-        row.update(image_fields(examples[group[0]], row, vision, patches))
+        row.update(group_image_fields([examples[i] for i in group], row, vision, patches))
     return row
 
 
@@ -180,19 +178,21 @@ def to_arrays(examples: list[Example], seq_len: int, pad_id: int, packing: bool,
               vision=None) -> dict[str, np.ndarray]:
     """All examples as fixed-shape [R, seq_len] rows (one per example, or first-fit packed); with image rows
     (`vision`: the model's VisionConfig) also the fields of `vision.batched`."""
-    layout = _image_layout(examples, vision)
-    rows = [_build_row(g, examples, seq_len, pad_id, **layout) for g in _row_groups(examples, seq_len, packing)]
+    groups = _row_groups(examples, seq_len, packing)
+    layout = _image_layout(examples, groups, vision)
+    rows = [_build_row(g, examples, seq_len, pad_id, **layout) for g in groups]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
-def _image_layout(examples: list[Example], vision) -> dict:
-    """_build_row's image arguments: none for text data, else the vision config and the patch bucket."""
+def _image_layout(examples: list[Example], groups, vision) -> dict:
+    """_build_row's image arguments: none for text data, else the vision config and the patch bucket (the most
+    patches of any row's group of examples: packed rows hold several examples' images)."""
     if not any(ex.pixels is not None for ex in examples):
         return {}
     if vision is None:
         raise PosttrainError("the examples have images but no vision config was given; pass the model's "
                              "cfg.vision (a vision-language model)")
-    return dict(vision=vision, patches=patch_bucket(examples, vision))
+    return dict(vision=vision, patches=group_patch_bucket(examples, groups, vision))
 
 
 class _Quiet(list):
@@ -244,6 +244,6 @@ def batches(
     # repeat after shuffle: each epoch's indices reach the shuffle with the epoch folded into its seed.
     ds = ds.repeat(num_epochs)
     ds = ds.map(functools.partial(_build_row, examples=_Quiet(examples), seq_len=seq_len, pad_id=pad_id,
-                                  **_image_layout(examples, vision)))
+                                  **_image_layout(examples, groups, vision)))
     read_options = read_options or grain.ReadOptions(num_threads=2, prefetch_buffer_size=4 * batch_size)
     return ds.to_iter_dataset(read_options).batch(batch_size, drop_remainder=True)

@@ -14,8 +14,10 @@ so a batch's shapes never depend on the images' sizes (no recompiles), and rows 
 micro-batches like any other field. Each row's image features go to its own image tokens, in order.
 
 The arithmetic equals `VisionTower.__call__` (the same modules' weights; attention masked instead of sliced, which
-adds exact zeros), checked against transformers' loss in tests/test_vlm_data.py. What it is not: packing several
-image rows into one (the pipeline refuses it), video, or the sampler's prefill (`qwen_vl.image_forward`).
+adds exact zeros), checked against transformers' loss in tests/test_vlm_data.py. A packed row (`data.packing`) holds
+several examples' images one after another (`data.images.group_image_fields`: each segment's M-RoPE positions from
+its own rope_index); the tower's blocks and the segment ids keep the examples apart (tests/test_vlm_packing.py).
+What it is not: video, or the sampler's prefill (`qwen_vl.image_forward`).
 """
 
 from __future__ import annotations

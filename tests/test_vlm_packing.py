@@ -1,0 +1,216 @@
+"""Packed image rows (several examples in one row: segment ids, positions restarting per segment) against
+transformers run on each example alone, for both vision-language families, and SFT with data.packing on image rows.
+
+Qwen3-VL: test_vlm_data.py's tiny folder (tokenizer, chat template, image processor) and its five rows (1 and 2
+images of different sizes, a text-only row) through `load_examples` / `to_arrays(packing=True)` /
+`vision.batched.forward_rows`: each segment's M-RoPE positions come from its own rope_index. Gemma 3:
+test_vlm_gemma3.py's tiny folder, examples with 1 and 2 images laid out one after another in a row (each image block
+bidirectional within its own image; segments apart). The reference is always transformers' float32 logits of one
+example alone (no padding, no packing); an example's encoding against the processors is test_vlm_data.py's.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import test_vlm_gemma3 as g3
+import torch
+from flax import nnx
+from test_vlm_data import IMAGE as QWEN_IMAGE
+from test_vlm_data import PAD, folder, spec, tok, write_rows  # noqa: F401 (fixtures)
+from test_vlm_gemma3 import IMAGE as GEMMA_IMAGE
+from test_vlm_gemma3 import MM
+from test_vlm_gemma3 import hf_logits as gemma_hf_logits
+from test_vlm_gemma3 import images as gemma_images
+from test_vlm_gemma3 import row as gemma_row
+
+from posttrain.data import load_examples, to_arrays
+from posttrain.losses import sft_loss
+from posttrain.models import attention as attention_module
+from posttrain.vision.batched import forward_rows
+from posttrain.vision.preprocess import gemma3_pixels
+
+TOL = 1e-4  # of the logit range
+
+
+def check(got, want, what):
+    err, scale = float(np.abs(got - want).max()), float(np.ptp(want))
+    assert err <= TOL * scale, (what, err, scale)
+    return err
+
+
+@pytest.fixture(scope="module")
+def qwen(folder):  # noqa: F811
+    from posttrain.models import from_pretrained
+
+    return from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def qwen_hf(folder):  # noqa: F811
+    from transformers import Qwen3VLForConditionalGeneration
+
+    return Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+
+
+def qwen_alone(hf, ex):
+    """transformers' float32 logits [n, V] of one example alone."""
+    ids = torch.tensor(ex.ids[None], dtype=torch.long)
+    kw = {} if ex.pixels is None else dict(pixel_values=torch.tensor(ex.pixels),
+                                           image_grid_thw=torch.tensor(ex.grids))
+    with torch.no_grad():
+        return hf(input_ids=ids, mm_token_type_ids=(ids == QWEN_IMAGE).long(), **kw).logits[0].numpy()
+
+
+@pytest.fixture(scope="module")
+def gemma_folder(tmp_path_factory):
+    """test_vlm_gemma3.py's tiny folder (its fixture's `folder` name is the Qwen3-VL folder's here)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = Gemma3Config(text_config=g3.TEXT, vision_config=g3.VISION, mm_tokens_per_image=MM,
+                       image_token_index=GEMMA_IMAGE, boi_token_index=g3.BOI, eoi_token_index=g3.EOI)
+    model = Gemma3ForConditionalGeneration(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(g3.QK_SCALE)
+            elif name.endswith("mm_input_projection_weight"):
+                p.copy_(0.2 * torch.randn_like(p))
+    path = str(tmp_path_factory.mktemp("gemma3_vl") / "hf")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma_hf(gemma_folder):
+    from transformers import Gemma3ForConditionalGeneration
+
+    return Gemma3ForConditionalGeneration.from_pretrained(gemma_folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def gemma_model(gemma_folder):
+    from posttrain.models import from_pretrained
+
+    return from_pretrained(gemma_folder)
+
+
+@nnx.jit
+def _rows_logits(model, batch):
+    return forward_rows(model, batch).logits
+
+
+def packed_qwen(tmp_path, tok, spec, seq_len):  # noqa: F811
+    examples, _ = load_examples(write_rows(tmp_path)[0], tok, max_length=seq_len, images=spec)
+    return examples, to_arrays(examples, seq_len, PAD, True, spec.vision)
+
+
+def test_qwen3vl_packed_rows_equal_transformers_per_example(tmp_path, tok, spec, qwen, qwen_hf):  # noqa: F811
+    """Five examples (1 and 2 images of different sizes, a text-only one) packed first-fit into rows of 160: each
+    segment's logits equal transformers' on the example alone."""
+    examples, rows = packed_qwen(tmp_path, tok, spec, 160)
+    assert len(rows["tokens"]) < len(examples) and rows["segment_ids"].max() >= 3  # packed: 3+ examples share a row
+    logits = np.asarray(_rows_logits(qwen, {k: jnp.asarray(v) for k, v in rows.items()}))
+    by_ids = {tuple(ex.ids.tolist()): ex for ex in examples}  # the five encodings differ
+    seen = []
+    for r in range(len(rows["tokens"])):
+        for s in range(1, rows["segment_ids"][r].max() + 1):
+            at = rows["segment_ids"][r] == s
+            ex = by_ids[tuple(rows["tokens"][r][at].tolist())]
+            check(logits[r][at], qwen_alone(qwen_hf, ex), ex.where)
+            seen.append(ex.where)
+    assert sorted(seen) == sorted(ex.where for ex in examples)
+
+
+def gemma_packed(rng, examples_parts, length):
+    """Examples (token ids) packed one after another into a row of `length`: tokens, positions restarting per
+    segment, segment ids (0 = padding), and the examples' token lists."""
+    examples = [gemma_row(rng, p) for p in examples_parts]
+    tokens, positions, segments = (np.zeros((1, length), np.int32) for _ in range(3))
+    start = 0
+    for s, ids in enumerate(examples, start=1):
+        tokens[0, start:start + len(ids)] = ids
+        positions[0, start:start + len(ids)] = np.arange(len(ids))
+        segments[0, start:start + len(ids)] = s
+        start += len(ids)
+    assert start < length  # padding after them
+    return tokens, positions, segments, examples
+
+
+@nnx.jit
+def _gemma_logits(model, tokens, positions, segments, pixels):
+    return model(tokens, positions, pixels, segment_ids=segments).logits
+
+
+@pytest.mark.parametrize("attention", ["dense", "blockwise"])
+def test_gemma3_packed_rows_equal_transformers_per_example(gemma_model, gemma_hf, attention, monkeypatch):
+    """Three examples (1, 2 and 1 images) in one right-padded row: each segment's logits equal transformers' on the
+    example alone (its image blocks bidirectional within the image; no attention across segments). Blockwise
+    attention with 4-token tiles cuts through the images and the segment boundaries."""
+    if attention == "blockwise":
+        monkeypatch.setattr(attention_module, "DENSE_MAX", 0)
+        monkeypatch.setattr(attention_module, "BLOCK", 4)
+    rng = np.random.default_rng(21)
+    tokens, positions, segments, examples = gemma_packed(rng, [[3, "I", 5], [2, "I", 3, "I", 4], ["I", 2]], 48)
+    counts = [int((np.asarray(e) == GEMMA_IMAGE).sum()) // MM for e in examples]
+    pixels = gemma3_pixels(gemma_images(sum(counts), seed=22), size=32)
+    got = np.asarray(_gemma_logits(gemma_model, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segments),
+                                   jnp.asarray(pixels)))
+    first = 0
+    for s, (ids, n) in enumerate(zip(examples, counts), start=1):
+        ids = np.asarray([ids])
+        want = gemma_hf_logits(gemma_hf, ids, np.ones_like(ids), pixels[first:first + n])[0]
+        check(got[0][segments[0] == s], want, f"segment {s}")
+        first += n
+
+
+def hf_loss(hf, examples):
+    """Masked cross-entropy of transformers' float32 logits (float64 sums) over all examples, each alone: the
+    token-weighted mean TRL's SFT loss is."""
+    total = count = 0.0
+    for ex in examples:
+        logits = torch.tensor(qwen_alone(hf, ex)).double()
+        nll = -torch.log_softmax(logits[:-1], -1)[torch.arange(len(ex.ids) - 1), torch.tensor(ex.ids[1:]).long()]
+        w = torch.tensor(ex.loss_mask[1:], dtype=torch.float64)
+        total += float((nll * w).sum())
+        count += float(w.sum())
+    return total / count
+
+
+def test_sft_loss_of_packed_image_rows_equals_unpacked_and_transformers(tmp_path, tok, spec, qwen,  # noqa: F811
+                                                                        qwen_hf):
+    examples, packed = packed_qwen(tmp_path, tok, spec, 160)
+    unpacked = to_arrays(examples, 160, PAD, False, spec.vision)
+    assert len(packed["tokens"]) < len(unpacked["tokens"])
+    loss = {}
+    for name, rows in (("packed", packed), ("unpacked", unpacked)):
+        total, metrics = jax.jit(lambda m, b: sft_loss(nnx.merge(*m), b, forward=forward_rows))(
+            nnx.split(qwen), {k: jnp.asarray(v) for k, v in rows.items()})
+        loss[name] = float(total) / float(metrics["denom"])
+    want = hf_loss(qwen_hf, examples)
+    assert abs(loss["packed"] - loss["unpacked"]) <= 1e-5 and abs(loss["packed"] - want) <= 1e-5, (loss, want)
+
+
+def test_sft_recipe_with_packing_on_image_rows(tmp_path, folder, tok, spec, qwen_hf):  # noqa: F811
+    """`data.packing: true` on image rows: two steps, the whole packed data in each batch, so the first step's
+    loss is transformers' loss over every example alone; the second is lower."""
+    from posttrain import config as C
+    from posttrain.trainers.sft import SFTTrainer
+
+    path, _ = write_rows(tmp_path)
+    examples, packed = packed_qwen(tmp_path, tok, spec, 160)
+    cfg = C.from_dict(C.SFTConfig, {
+        "model": {"path": folder}, "data": {"train": str(path), "max_length": 160, "packing": True, "shuffle": False},
+        "optim": {"lr": 3e-3, "schedule": "constant"},
+        "train": {"steps": 2, "batch_size": len(packed["tokens"]), "log_every": 1},
+        "checkpoint": {"async_save": False}, "metrics": {"sinks": ["jsonl"]}, "run_dir": str(tmp_path / "run")})
+    SFTTrainer(cfg, progress=False).train()
+    losses = [r["loss"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
+    want = hf_loss(qwen_hf, examples)
+    assert len(losses) == 2 and abs(losses[0] - want) <= 1e-5 and losses[1] < losses[0], (losses, want)
