@@ -214,3 +214,145 @@ def test_sft_recipe_with_packing_on_image_rows(tmp_path, folder, tok, spec, qwen
     losses = [r["loss"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
     want = hf_loss(qwen_hf, examples)
     assert len(losses) == 2 and abs(losses[0] - want) <= 1e-5 and losses[1] < losses[0], (losses, want)
+
+
+# ----------------------------------------------------------------------------- Gemma 3 image rows through SFT
+
+G_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<start_of_image>", "<end_of_image>",
+              "<image_soft_token>"]
+G_PAD, G_EOS, G_BOS, G_BOI, G_EOI, G_IMAGE = 256, 257, 258, 261, 262, 263  # the specials' ids after the 256 bytes
+
+
+def gemma_tokenizer(name):
+    """A byte-level tokenizer with Gemma 3's special tokens and TRL's Gemma 3 template `name`."""
+    from test_vlm_data import template
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Raw
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    raw = Raw(models.BPE(vocab=vocab, merges=[]))
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    raw.add_special_tokens([AddedToken(s, special=True) for s in G_SPECIALS])
+    return PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   extra_special_tokens={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                                         "image_token": "<image_soft_token>"},
+                                   chat_template=template(name))
+
+
+def gemma_image_processor():
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    return Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+
+
+@pytest.fixture(scope="module")
+def gemma_data_folder(tmp_path_factory):
+    """test_vlm_gemma3.py's tiny model with a 272-token vocabulary (bytes + Gemma's specials), its tokenizer, image
+    processor and processor_config.json (image_seq_length) saved beside it."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(1)
+    text = {**g3.TEXT, "vocab_size": 272, "pad_token_id": G_PAD, "bos_token_id": G_BOS, "eos_token_id": G_EOS}
+    cfg = Gemma3Config(text_config=text, vision_config=g3.VISION, mm_tokens_per_image=MM, image_token_index=G_IMAGE,
+                       boi_token_index=G_BOI, eoi_token_index=G_EOI)
+    model = Gemma3ForConditionalGeneration(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(g3.QK_SCALE)
+            elif name.endswith("mm_input_projection_weight"):
+                p.copy_(0.2 * torch.randn_like(p))
+    path = str(tmp_path_factory.mktemp("gemma3_data") / "hf")
+    model.save_pretrained(path)
+    gemma_tokenizer("gemma3.jinja").save_pretrained(path)
+    gemma_image_processor().save_pretrained(path)
+    with open(f"{path}/processor_config.json", "w") as f:  # Gemma3Processor's: tokens per image
+        json.dump({"processor_class": "Gemma3Processor", "image_seq_length": MM}, f)
+    return path
+
+
+def gemma_reference(row, base):
+    """(ids, pixels, assistant mask) from transformers: Gemma3Processor's ids and pixels, and the assistant mask of
+    TRL's Gemma 3 training template ({% generation %}) with each <start_of_image> expanded as the processor does
+    (2 newline bytes, boi, MM image tokens, eoi, 2 newline bytes: one value, the turn's)."""
+    from PIL import Image
+    from test_vlm_data import conversation
+    from transformers import Gemma3Processor
+
+    processor = Gemma3Processor(image_processor=gemma_image_processor(), tokenizer=gemma_tokenizer("gemma3.jinja"),
+                                chat_template=gemma_tokenizer("gemma3.jinja").chat_template, image_seq_length=MM)
+    msgs = conversation(row)
+    text = processor.apply_chat_template(msgs, tokenize=False)
+    images = [Image.open(base / n) for n in row.get("images", [])]
+    out = processor(text=[text], images=images or None, return_tensors="np")
+    enc = gemma_tokenizer("gemma3_training.jinja").apply_chat_template(msgs, return_dict=True,
+                                                                       return_assistant_tokens_mask=True)
+    mask = []
+    for t, m in zip(enc["input_ids"], enc["assistant_masks"]):
+        mask += [m] * (MM + 6 if t == G_BOI else 1)
+    return out["input_ids"][0], out.get("pixel_values"), np.array(mask)
+
+
+def test_gemma3_image_rows_sft_loss_equals_transformers(tmp_path, gemma_data_folder):
+    """Gemma 3 image rows (1 and 2 images, multi-turn, prompt/completion, a text row) through load_examples: ids
+    and pixels equal Gemma3Processor's; sft_loss with `forward_rows` on padded rows and on packed rows equals the
+    masked cross-entropy of transformers' float32 logits over TRL's assistant tokens (<= 1e-5 relative)."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    from posttrain.data.images import image_spec
+    from posttrain.models import from_pretrained
+    from posttrain.tokenizer import Tokenizer
+    from posttrain.vision import processor_settings
+
+    path, rows = write_rows(tmp_path)
+    ours = from_pretrained(gemma_data_folder)
+    spec = image_spec(processor_settings(gemma_data_folder), ours.vcfg)  # noqa: F811
+    examples, _ = load_examples(path, Tokenizer.from_pretrained(gemma_data_folder), max_length=256, images=spec)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(gemma_data_folder, dtype=torch.float32).eval()
+    want_total = want_count = 0.0
+    for ex, row in zip(examples, rows):
+        ids, pixels, mask = gemma_reference(row, tmp_path)
+        np.testing.assert_array_equal(ex.ids, ids)
+        np.testing.assert_array_equal(ex.loss_mask, mask)
+        assert (ex.pixels is None) == (pixels is None)
+        if pixels is not None:
+            assert ex.pixels.shape == pixels.shape and np.abs(ex.pixels - pixels).max() <= 1e-6
+        t = torch.tensor(ids[None]).long()
+        with torch.no_grad():
+            logits = hf(input_ids=t, token_type_ids=(t == G_IMAGE).long(),
+                        pixel_values=None if pixels is None else torch.tensor(pixels)).logits[0].double()
+        nll = -torch.log_softmax(logits[:-1], -1)[torch.arange(len(ids) - 1), t[0, 1:]]
+        w = torch.tensor(mask[1:], dtype=torch.float64)
+        want_total += float((nll * w).sum())
+        want_count += float(w.sum())
+    want = want_total / want_count
+    for packing in (False, True):
+        batch = to_arrays(examples, 256, G_PAD, packing, spec.vision)
+        per_row = (batch["tokens"] == G_IMAGE).sum(1) // MM  # image slots: the most images of a row
+        assert batch["pixels"].shape[1] == per_row.max() and (len(per_row) < 5 if packing else per_row.max() == 2)
+        total, metrics = jax.jit(lambda m, b: sft_loss(nnx.merge(*m), b, forward=forward_rows))(
+            nnx.split(ours), {k: jnp.asarray(v) for k, v in batch.items()})
+        assert float(metrics["denom"]) == want_count
+        assert abs(float(total) / want_count - want) <= 1e-5 * want, (packing, float(total) / want_count, want)
+
+
+@pytest.mark.parametrize("options,length,pattern", [
+    (dict(size=(32, 32), pan_and_scan=True), 4, "do_pan_and_scan is on"),
+    (dict(size=(64, 64), pan_and_scan=False), 4, r"images resized to \(64, 64\).*reads 32 x 32"),
+    (dict(size=(32, 32), pan_and_scan=False), 9, "image_seq_length 9.*mm_tokens_per_image is 4"),
+], ids=["pan-and-scan", "size", "tokens"])
+def test_gemma3_image_spec_refuses_what_rows_cannot_hold(options, length, pattern):
+    from posttrain.data.images import image_spec
+    from posttrain.errors import PosttrainError
+    from posttrain.vision.gemma3 import Gemma3VisionConfig
+    from posttrain.vision.preprocess import ImageSettings
+    from posttrain.vision.siglip import SiglipConfig
+
+    vcfg = Gemma3VisionConfig(vision=SiglipConfig(hidden_size=32, num_heads=2, image_size=32, patch_size=4),
+                              mm_tokens_per_image=MM)
+    with pytest.raises(PosttrainError, match="preprocessor_config.json: " + pattern):
+        image_spec(ImageSettings("gemma3", options, length, "m/preprocessor_config.json"), vcfg)

@@ -20,7 +20,13 @@ column with a text model, a plain-string prompt with images (the template has no
 RL prompt rows (TRL's GRPOTrainer: a `prompt` of messages + `images` or `image`) go through `encode_image_prompt`
 (the generation prompt, no loss mask; plain-text turns get their images before the first user turn's text).
 
-What it is not: the batch layout (`pipeline`, `vision.batched.row_tables`), Gemma 3's image tokens, or video.
+Gemma 3 rows (a `gemma3` folder: Gemma3ImageProcessor, the model's `Gemma3VisionConfig`) are encoded as
+Gemma3Processor does: the template's <start_of_image> per image part becomes "\n\n" <start_of_image>,
+mm_tokens_per_image image tokens, <end_of_image> "\n\n" (the newlines tokenised alone: equal to the processor's
+ids when the tokenizer does not merge them with the text around them), pixels [images, 3, S, S]
+(`vision.preprocess.gemma3_pixels`); pan-and-scan crops are refused.
+
+What it is not: the batch layout (`pipeline`, `vision.batched.row_tables`), or video.
 """
 
 from __future__ import annotations
@@ -50,6 +56,8 @@ class ImageSpec:
 
 def image_spec(settings: ImageSettings, vision) -> ImageSpec:
     """An ImageSpec, refusing processors posttrain cannot place in the text yet."""
+    if settings.kind == "gemma3" and is_gemma3(vision):
+        return _gemma3_spec(settings, vision)
     if settings.kind != "qwen_vl" or vision is None:
         raise PosttrainError(f"{settings.source}: image rows are supported for Qwen3-VL folders (a Qwen2VL image "
                              f"processor and a vision tower); this one is {settings.kind!r}. Use text rows, or a "
@@ -133,6 +141,8 @@ def encode_image_row(row: dict, where: str, tok, spec: ImageSpec, base: Path, **
         raise PosttrainError(f"{where}: the row has {len(images)} image(s) in 'images' but {count} "
                              f'{{"type": "image"}} content part(s); give one image per image part, in order')
     ids, mask = tokenize_row(row, where, tok, **format_kw)
+    if is_gemma3(spec.vision):
+        return _expand_gemma3(ids, mask, images, where, spec, base, tok)
     return _expand(ids, mask, images, where, spec, base)
 
 
@@ -153,6 +163,9 @@ def encode_image_prompt(row: dict, where: str, tok, spec: ImageSpec, base: Path)
     {"type": "image"} parts, or plain-text turns whose first user turn then gets the images before its text, as TRL's
     `prepare_multimodal_messages`; the images in `images`, or one in `image`), rendered with the generation prompt
     and each <|image_pad|> expanded as Qwen3VLProcessor does."""
+    if is_gemma3(spec.vision):
+        raise PosttrainError(f"{where}: RL prompts with images take a Qwen3-VL folder; Gemma 3 image rows train "
+                             "through SFT only for now. Drop the images, or use a qwen3_vl model folder")
     images = row["images"] if "images" in row else [row["image"]]
     if not isinstance(images, list):
         images = [images]
@@ -216,8 +229,10 @@ def image_fields(example, row: dict, vision, patches: int) -> dict:
 
 def group_patch_bucket(examples, groups, vision) -> int:
     """`patch_bucket` for rows that each hold a group of examples (packing): the most patches any row's examples
-    hold together, rounded up the same way."""
+    hold together, rounded up the same way (Gemma 3: the most images of a row, not rounded)."""
     most = max(sum(0 if examples[i].pixels is None else len(examples[i].pixels) for i in g) for g in groups)
+    if is_gemma3(vision):  # image slots of a row (Gemma 3: one pixel array per image)
+        return max(1, most)
     step = max(64, vision.spatial_merge_size ** 2)
     return max(step, -(-most // step) * step)
 
@@ -225,7 +240,16 @@ def group_patch_bucket(examples, groups, vision) -> int:
 def group_image_fields(group: list, row: dict, vision, patches: int) -> dict:
     """`image_fields` of a row holding several examples (packing; segment s holds group[s - 1]): the images of all
     of them, in order, and each segment's M-RoPE positions from its own `rope_index` (they restart at 0 in each
-    segment, as one example alone would have them). One example gives `image_fields`."""
+    segment, as one example alone would have them). One example gives `image_fields`. Gemma 3: the row's images
+    as `pixels` [patches, 3, S, S] (`vision.batched.gemma3_forward_rows`)."""
+    if is_gemma3(vision):  # Gemma 3: the row's images [patches, 3, S, S], zero after them; positions stay 1-D
+        side = vision.vision.image_size
+        out = np.zeros((patches, 3, side, side), np.float32)
+        held = [ex.pixels for ex in group if ex.pixels is not None]
+        if held:
+            held = np.concatenate(held)
+            out[:len(held)] = held
+        return {"pixels": out}
     positions = np.zeros((3, len(row["tokens"])), np.int32)
     pixels, grids = [], []
     for s, ex in enumerate(group, start=1):
@@ -242,3 +266,50 @@ def group_image_fields(group: list, row: dict, vision, patches: int) -> dict:
     pixels = np.concatenate(pixels) if pixels else np.zeros((0, vision.patch_dim), np.float32)
     grids = np.concatenate(grids) if grids else np.zeros((0, 3), np.int64)
     return {"positions": positions, **row_tables(pixels, grids, vision, patches)}
+
+
+# ----------------------------------------------------------------------------- Gemma 3 image rows
+
+
+def is_gemma3(vision) -> bool:
+    """Whether `vision` is a Gemma 3 folder's Gemma3VisionConfig (images as whole pixel arrays, fixed tokens)."""
+    return hasattr(vision, "mm_tokens_per_image")
+
+
+def _gemma3_spec(settings: ImageSettings, vision) -> ImageSpec:
+    o = settings.options
+    side = vision.vision.image_size
+    if o["pan_and_scan"]:
+        raise PosttrainError(f"{settings.source}: do_pan_and_scan is on, but image rows take each image whole "
+                             "(pan-and-scan crops add images the rows do not name); set do_pan_and_scan false")
+    if tuple(o["size"]) != (side, side):
+        raise PosttrainError(f"{settings.source}: images resized to {tuple(o['size'])}, but the vision tower reads "
+                             f"{side} x {side}; the processor file and config.json must come from the same checkpoint")
+    if settings.image_seq_length != vision.mm_tokens_per_image:
+        raise PosttrainError(f"{settings.source}: image_seq_length {settings.image_seq_length}, but config.json's "
+                             f"mm_tokens_per_image is {vision.mm_tokens_per_image}; the processor files and "
+                             "config.json must come from the same checkpoint")
+    return ImageSpec(settings, vision)
+
+
+def _expand_gemma3(ids: list, mask: list, images: list, where: str, spec: ImageSpec, base: Path, tok):
+    """(ids, mask, pixels [images, 3, S, S], None): each <start_of_image> of `ids` replaced by Gemma3Processor's
+    full image sequence (mask values with it), the images read and resized."""
+    v = spec.vision
+    at = [i for i, t in enumerate(ids) if t == v.boi_token_id]
+    if len(at) != len(images):
+        raise PosttrainError(f"{where}: the chat template wrote {len(at)} <start_of_image> token(s) (id "
+                             f"{v.boi_token_id}) for {len(images)} image part(s); use the model's own chat template")
+    sources = [_source(im, base, where, i) for i, im in enumerate(images)]
+    try:
+        pixels = spec.settings.pixels(sources)
+    except PosttrainError as err:
+        raise PosttrainError(f"{where}: {err}") from None
+    newlines = tok.encode("\n\n", add_special_tokens=False)
+    run = newlines + [v.boi_token_id] + [v.image_token_id] * v.mm_tokens_per_image + [v.eoi_token_id] + newlines
+    out_ids, out_mask, last = [], [], 0
+    for i in at:
+        out_ids += ids[last:i] + run
+        out_mask += mask[last:i] + [mask[i]] * len(run)
+        last = i + 1
+    return out_ids + ids[last:], out_mask + mask[last:], np.asarray(pixels, np.float32), None

@@ -17,7 +17,9 @@ The arithmetic equals `VisionTower.__call__` (the same modules' weights; attenti
 adds exact zeros), checked against transformers' loss in tests/test_vlm_data.py. A packed row (`data.packing`) holds
 several examples' images one after another (`data.images.group_image_fields`: each segment's M-RoPE positions from
 its own rope_index); the tower's blocks and the segment ids keep the examples apart (tests/test_vlm_packing.py).
-What it is not: video, or the sampler's prefill (`qwen_vl.image_forward`).
+Gemma 3 rows (`gemma3_forward_rows`, which `forward_rows` picks for a Gemma3VL) carry their images as whole pixel
+arrays [I, 3, S, S] instead of the patch tables. What it is not: video, or the sampler's prefill
+(`qwen_vl.image_forward`).
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ features."""
     if "pixels" not in batch:
         return model(batch["tokens"], batch["positions"], segment_ids=batch["segment_ids"],
                      branch_ids=batch.get("branch_ids"), **kw)
+    if hasattr(model, "vcfg"):  # a Gemma3VL
+        return gemma3_forward_rows(model, batch, **kw)
     cfg = model.cfg
     dt = jnp.dtype(cfg.dtype)
     feats, deep = tower_rows(model.vision, batch, dt)
@@ -124,3 +128,23 @@ features."""
     positions = jnp.moveaxis(batch["positions"], 1, 0)  # [B, 3, T] -> [3, B, T]
     return model(tokens, positions, segment_ids=batch["segment_ids"], branch_ids=batch.get("branch_ids"), embeds=x,
                  deepstack=tuple(place_rows(mask, d, dt) for d in deep), **kw)
+
+
+def gemma3_forward_rows(model, batch, **kw):
+    """A Gemma3VL's forward on a batch of image rows: `pixels` [B, I, 3, S, S] (each row's images in order, zero
+    after them: `data.images.group_image_fields`), 1-D positions and segment ids. Each row's projected image
+    features go to its own image tokens in order (a padding image's features go nowhere), each run of image tokens
+    attends itself both ways (`gemma3.image_blocks`; segment ids keep packed examples apart), as
+    `Gemma3VL.__call__` does for one batch of images."""
+    from posttrain.vision.gemma3 import image_blocks
+
+    vc, tokens, pixels = model.vcfg, batch["tokens"], batch["pixels"]
+    B, n = pixels.shape[:2]
+    feats = model.image_features(pixels.reshape(B * n, *pixels.shape[2:])).reshape(B, n * vc.mm_tokens_per_image, -1)
+    x, _ = model.embeds(tokens)  # the text's scaled embeddings (an image id past the vocabulary as token 0)
+    mask = tokens == vc.image_token_id
+    if "branch_ids" in batch:
+        mask = mask & (batch["branch_ids"] == 0)
+    x = jnp.where(mask[..., None], place_rows(mask, feats, x.dtype), x)
+    return model(tokens, batch["positions"], segment_ids=batch["segment_ids"], branch_ids=batch.get("branch_ids"),
+                 embeds=x, image_ids=image_blocks(jnp.where(mask, tokens, -1), vc.image_token_id), **kw)
