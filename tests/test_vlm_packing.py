@@ -37,6 +37,7 @@ TOL = 1e-4  # of the logit range
 
 def check(got, want, what):
     err, scale = float(np.abs(got - want).max()), float(np.ptp(want))
+    print(f"{what}: max |difference| {err:.2e}, logit range {scale:.2f}")
     assert err <= TOL * scale, (what, err, scale)
     return err
 
@@ -194,6 +195,7 @@ def test_sft_loss_of_packed_image_rows_equals_unpacked_and_transformers(tmp_path
             nnx.split(qwen), {k: jnp.asarray(v) for k, v in rows.items()})
         loss[name] = float(total) / float(metrics["denom"])
     want = hf_loss(qwen_hf, examples)
+    print(f"loss packed {loss['packed']:.8f} unpacked {loss['unpacked']:.8f} transformers {want:.8f}")
     assert abs(loss["packed"] - loss["unpacked"]) <= 1e-5 and abs(loss["packed"] - want) <= 1e-5, (loss, want)
 
 
@@ -213,6 +215,7 @@ def test_sft_recipe_with_packing_on_image_rows(tmp_path, folder, tok, spec, qwen
     SFTTrainer(cfg, progress=False).train()
     losses = [r["loss"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
     want = hf_loss(qwen_hf, examples)
+    print(f"run losses {losses}, transformers {want:.8f}")
     assert len(losses) == 2 and abs(losses[0] - want) <= 1e-5 and losses[1] < losses[0], (losses, want)
 
 
@@ -336,6 +339,7 @@ def test_gemma3_image_rows_sft_loss_equals_transformers(tmp_path, gemma_data_fol
         assert batch["pixels"].shape[1] == per_row.max() and (len(per_row) < 5 if packing else per_row.max() == 2)
         total, metrics = jax.jit(lambda m, b: sft_loss(nnx.merge(*m), b, forward=forward_rows))(
             nnx.split(ours), {k: jnp.asarray(v) for k, v in batch.items()})
+        print(f"packing={packing}: loss {float(total) / want_count:.8f}, transformers {want:.8f}")
         assert float(metrics["denom"]) == want_count
         assert abs(float(total) / want_count - want) <= 1e-5 * want, (packing, float(total) / want_count, want)
 
