@@ -313,3 +313,40 @@ def _expand_gemma3(ids: list, mask: list, images: list, where: str, spec: ImageS
         out_mask += mask[last:i] + [mask[i]] * len(run)
         last = i + 1
     return out_ids + ids[last:], out_mask + mask[last:], np.asarray(pixels, np.float32), None
+def image_messages(msgs, images: list, where: str, field: str = "prompt") -> list:
+    """`msgs` (a conversation with images) with its {"type": "image"} parts, as TRL's `prepare_multimodal_messages`
+    gives them: the parts as written (null keys dropped), or, where there are none, `images` before the first user
+    turn's text. Errors (naming `where`) on a count of parts that is not the count of images."""
+    if not isinstance(msgs, list):
+        raise PosttrainError(f"{where}: a {field} with images must be a list of messages (conversational) with "
+                             f'{{"type": "image"}} content parts where the images go; this one is '
+                             f"{type(msgs).__name__}")
+    out, count = _parts(msgs, where, field)
+    if count == 0:
+        out, count = _parts(_first_user_images(out, len(images)), where, field)
+    if count != len(images):
+        raise PosttrainError(f"{where}: the row has {len(images)} image(s) but {count} "
+                             f'{{"type": "image"}} content part(s); give one image per image part, in order')
+    return out
+
+
+def expand_images(ids: list, images: list, where: str, spec: ImageSpec, base: Path):
+    """(ids, pixels, grids): each image token of `ids` repeated to its image's token count, as Qwen3VLProcessor
+    expands it, and the images read (paths from `base`) and patched; errors name `where`."""
+    ids, _, pixels, grids = _expand(list(ids), [0] * len(ids), images, where, spec, base)
+    return ids, pixels, grids
+
+
+def shared_image_fields(prompt_ids, pixels, grids, row: dict, vision, patches: int) -> dict:
+    """The image fields of one prefix-shared row [prompt | branches] (`data.branches`, `row` its fields): [3, L]
+    M-RoPE positions, the prompt's own (`rope_index` on the prompt alone) and each branch at its text position + the
+    prompt's delta (the positions it has in its unshared row [prompt | branch]), 0 on padding; and the prompt's patch
+    tables (`vision.batched.TABLE_FIELDS`, padded to `patches`)."""
+    P = len(prompt_ids)
+    grids = np.zeros((0, 3), np.int64) if grids is None else grids
+    pixels = np.zeros((0, vision.patch_dim), np.float32) if pixels is None else pixels
+    pos, delta = rope_index(np.asarray(prompt_ids)[None], np.ones((1, P), bool), grids, vision)
+    real = row["segment_ids"] != 0
+    out = np.broadcast_to(np.where(real, row["positions"] + delta[0], 0), (3, len(real))).astype(np.int32)
+    out[:, :P] = pos[:, 0]
+    return {"positions": out, **row_tables(pixels, grids, vision, patches)}

@@ -12,6 +12,14 @@ What it is: the data side of the DPO and reward-model trainers.
     TRL 1.16's DPOTrainer: plain strings get the tokenizer's BOS and an eos after each answer;
     conversations go through the chat template (no eos added: the template ends the turn).
     An optional numeric "margin" column is kept (reward models' margin loss).
+  - Rows with images (TRL's vision preference rows: a conversational `prompt` with {"type": "image"}
+    parts, or plain-text turns that then get the images before the first user text, as TRL's
+    `prepare_multimodal_messages`; `images` as paths relative to the data file, bytes or
+    `datasets.Image`, or one `image`) need `images=` (a `data.images.ImageSpec`, from a Qwen3-VL
+    folder): `tokenize_image_pair` renders them as TRL's DataCollatorForVisionPreference does, the
+    prompt's image tokens expanded as Qwen3VLProcessor does; the Pair keeps the pixels and grids,
+    and its row gets [3, L] M-RoPE positions and the patch tables (`data.images.shared_image_fields`).
+    An image prompt is never cut (answers are). A bad or missing image is a row error.
   - `load_pairs(path, tok, max_length=...)` reads and tokenizes every row once. `max_length`
     bounds prompt + the longer answer (TRL's meaning). Truncation: "error" (default) raises
     naming the row; "truncate" keeps the prompt's last `max_prompt_length` tokens and cuts
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import grain
@@ -39,6 +48,7 @@ import numpy as np
 
 from posttrain.data.branches import pad_rows, shared_row
 from posttrain.data.formats import messages
+from posttrain.data.images import expand_images, has_images, image_messages, shared_image_fields
 from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
@@ -54,6 +64,8 @@ class Pair:
     rejected: np.ndarray  # int32 [R]
     where: str  # "FILE:LINE" for messages
     margin: float = 0.0  # the row's "margin" column (reward models), 0 when absent
+    pixels: Optional[np.ndarray] = None  # float32 [patches, dim]: the prompt's image patches (image rows)
+    grids: Optional[np.ndarray] = None  # int64 [images, 3]: their (t, h, w) grids
 
 
 def _kind(v) -> str:
@@ -130,34 +142,85 @@ def tokenize_pair(row, where: str, tok) -> tuple[list[int], list[int], list[int]
     return p, c, r, float(margin)
 
 
+def image_row(row) -> bool:
+    """Whether a preference row carries images (`images`, or TRL's single `image` column)."""
+    return isinstance(row, dict) and (has_images(row) or row.get("image") is not None)
+
+
+def tokenize_image_pair(row: dict, where: str, tok, spec, base: Path):
+    """(prompt ids, chosen ids, rejected ids, margin, pixels, grids) of a preference row with images: its
+    conversations as TRL 1.16's DataCollatorForVisionPreference renders them (`prepare_multimodal_messages`: the
+    prompt's image parts, or the images before the first user text; the answers' text as parts), tokenized as
+    `tokenize_pair`, then the prompt's image tokens expanded and the images patched (`data.images`)."""
+    images = row["images"] if has_images(row) else [row["image"]]
+    images = images if isinstance(images, list) else [images]
+    chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
+    if prompt is None and isinstance(chosen, list) and isinstance(rejected, list):  # implicit prompt: common turns
+        cut = _common_start(chosen, rejected)
+        prompt, chosen, rejected = chosen[:cut], chosen[cut:], rejected[cut:]
+    if not isinstance(prompt, list) or not prompt:
+        raise PosttrainError(f"{where}: a preference row with images needs a conversational prompt (a list of "
+                             f'messages with {{"type": "image"}} parts where the images go), got '
+                             f"{_kind(prompt)}; rows must be {ACCEPTED}")
+    out = {k: v for k, v in row.items() if k not in ("images", "image")}
+    out["prompt"] = image_messages(prompt, images, where)
+    for col, v in (("chosen", chosen), ("rejected", rejected)):
+        if isinstance(v, list):
+            v = image_messages(v, [], where, col) if v else v
+        out[col] = v
+    p, c, r, margin = tokenize_pair(out, where, tok)
+    image_id = spec.vision.image_token_id
+    if image_id in c or image_id in r:
+        raise PosttrainError(f"{where}: an answer holds the image token (id {image_id}); images go in the prompt "
+                             "only")
+    p, pixels, grids = expand_images(p, images, where, spec, base)
+    return p, c, r, margin, pixels, grids
+
+
 def load_pairs(path, tok, *, max_length: int, max_prompt_length: Optional[int] = None, truncation: str = "error",
-               skip_bad_rows: bool = False) -> tuple[list[Pair], dict]:
-    """Every usable pair of `path`; counts = {"rows", "skipped", "truncated", "dropped"}."""
+               skip_bad_rows: bool = False, images=None) -> tuple[list[Pair], dict]:
+    """Every usable pair of `path`; counts = {"rows", "skipped", "truncated", "dropped"}. `images` (a
+    `data.images.ImageSpec`) reads rows with images; without it such a row is an error."""
     if truncation not in PAIR_TRUNCATION:
         raise PosttrainError(f"truncation={truncation!r}: use one of {', '.join(PAIR_TRUNCATION)}")
     counts = {"rows": 0, "skipped": 0, "truncated": 0, "dropped": 0}
 
+    base = Path(path) if Path(path).is_dir() else Path(path).parent
+
     def parse(row, where):
-        p, c, r, margin = tokenize_pair(row, where, tok)
-        return _fit(p, c, r, where, max_length, max_prompt_length, truncation) + (margin,)
+        if not image_row(row):
+            p, c, r, margin = tokenize_pair(row, where, tok)
+            return _fit(p, c, r, where, max_length, max_prompt_length, truncation) + (margin, None, None)
+        if images is None:
+            raise PosttrainError(f"{where}: the row has images but the model is not a vision-language model (or "
+                                 "this trainer reads text only); drop the 'images' column or use a qwen3_vl folder")
+        p, c, r, margin, pixels, grids = tokenize_image_pair(row, where, tok, images, base)
+        if truncation == "truncate" and max_prompt_length and len(p) > max_prompt_length:
+            raise PosttrainError(f"{where}: the prompt with its image tokens is {len(p)} tokens, more than "
+                                 f"max_prompt_length={max_prompt_length}, and an image prompt is never cut; raise "
+                                 "data.max_prompt_length (or unset it), or set data.truncation=drop")
+        return _fit(p, c, r, where, max_length, None, truncation) + (margin, pixels, grids)
 
     pairs = []
-    for (p, c, r, status, margin), where in parse_rows(path, parse, counts, skip_bad_rows=skip_bad_rows):
+    for (p, c, r, status, margin, pixels, grids), where in parse_rows(path, parse, counts,
+                                                                      skip_bad_rows=skip_bad_rows):
         if status:
             counts[status] += 1
             if status == "dropped":
                 continue
-        pairs.append(Pair(*(np.asarray(x, np.int32) for x in (p, c, r)), where=where, margin=margin))
+        pairs.append(Pair(*(np.asarray(x, np.int32) for x in (p, c, r)), where=where, margin=margin, pixels=pixels,
+                          grids=grids))
     if not pairs:
         raise PosttrainError(f"{path}: no usable preference pairs (rows={counts['rows']}, skipped="
                              f"{counts['skipped']}, dropped={counts['dropped']}); rows must be {ACCEPTED}")
     return pairs, counts
 
 
-def load_pair_sets(data, tok) -> tuple[list[Pair], dict, Optional[list[Pair]]]:
-    """(train pairs, their counts, eval pairs or None) of a PreferenceDataSection (data.train / data.eval)."""
+def load_pair_sets(data, tok, images=None) -> tuple[list[Pair], dict, Optional[list[Pair]]]:
+    """(train pairs, their counts, eval pairs or None) of a PreferenceDataSection (data.train / data.eval);
+    `images`: see `load_pairs`."""
     kw = dict(max_length=data.max_length, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
-              skip_bad_rows=data.skip_bad_rows)
+              skip_bad_rows=data.skip_bad_rows, images=images)
     train, stats = load_pairs(data.train, tok, **kw)
     return train, stats, load_pairs(data.eval, tok, **kw)[0] if data.eval else None
 
@@ -193,25 +256,33 @@ def pair_shapes(*groups: list[Pair], multiple: int = 8) -> tuple[int, int]:
             up(max(len(p.chosen) + len(p.rejected) for p in pairs)))
 
 
-def _pair_row(i: int, pairs: list[Pair], length: int, score_length: int, pad_id: int, extra: dict) -> dict:
+def _pair_row(i: int, pairs: list[Pair], length: int, score_length: int, pad_id: int, extra: dict, vision=None,
+              patches: int = 0) -> dict:
     p = pairs[i]
     row = pad_rows([shared_row(p.prompt, [p.chosen, p.rejected])], length, score_length, pad_id)
     out = {k: v[0] for k, v in row.items()}
+    if vision is not None:  # an image dataset: every row (text pairs too) carries the image fields
+        out.update(shared_image_fields(p.prompt, p.pixels, p.grids, out, vision, patches))
     out["margin"] = np.float32(p.margin)
     out.update({k: v[i] for k, v in extra.items()})
     return out
 
 
-def pair_arrays(pairs: list[Pair], length: int, score_length: int, pad_id: int, extra: Optional[dict] = None) -> dict:
-    """Every pair as one padded prefix-shared row: dict of [N, ...] arrays (eval, precomputing)."""
-    rows = [_pair_row(i, pairs, length, score_length, pad_id, extra or {}) for i in range(len(pairs))]
+def pair_arrays(pairs: list[Pair], length: int, score_length: int, pad_id: int, extra: Optional[dict] = None,
+                vision=None, patches: int = 0) -> dict:
+    """Every pair as one padded prefix-shared row: dict of [N, ...] arrays (eval, precomputing). With `vision`
+    (the model's VisionConfig: image pairs) also the image fields, patches padded to `patches`."""
+    rows = [_pair_row(i, pairs, length, score_length, pad_id, extra or {}, vision, patches)
+            for i in range(len(pairs))]
     return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
 
 
 def pair_batches(pairs: list[Pair], *, batch_size: int, length: int, score_length: int, pad_id: int, seed: int,
-                 shuffle: bool = True, extra: Optional[dict] = None) -> grain.IterDataset:
+                 shuffle: bool = True, extra: Optional[dict] = None, vision=None,
+                 patches: int = 0) -> grain.IterDataset:
     """Grain batches of pair rows, reshuffled each epoch, forever; `extra` adds per-pair arrays
-    ([N, ...], e.g. precomputed reference log-probs) to each row. The iterator resumes exactly."""
+    ([N, ...], e.g. precomputed reference log-probs) to each row; `vision`, `patches`: see `pair_arrays`.
+    The iterator resumes exactly."""
     if len(pairs) < batch_size:
         raise PosttrainError(f"{len(pairs)} preference pairs are fewer than train.batch_size={batch_size}; lower "
                              f"the batch size or add data")
@@ -219,6 +290,7 @@ def pair_batches(pairs: list[Pair], *, batch_size: int, length: int, score_lengt
     if shuffle:
         ds = ds.shuffle(seed=seed)
     ds = ds.repeat(None).map(functools.partial(_pair_row, pairs=pairs, length=length, score_length=score_length,
-                                               pad_id=pad_id, extra=extra or {}))
+                                               pad_id=pad_id, extra=extra or {}, vision=vision,
+                                               patches=patches))
     opts = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4 * batch_size)
     return ds.to_iter_dataset(opts).batch(batch_size, drop_remainder=True)

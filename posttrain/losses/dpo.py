@@ -26,19 +26,21 @@ from posttrain.losses.preference import dpo_loss
 
 
 def make_dpo_loss(*, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                  reference: str | None = "frozen"):
+                  reference: str | None = "frozen", forward=None):
     """`reference`: "frozen" (the reference log-probs are a forward of the `frozen` model when the
     batch has no "ref_logps"; a LoRA recipe passes the policy with its adapters off, see
-    `recipes.recipe.lora_reference`) or None (precomputed: always batch["ref_logps"])."""
+    `recipes.recipe.lora_reference`) or None (precomputed: always batch["ref_logps"]).
+    `forward`: the models' forward on the rows when not the plain one (image pairs: `vision.batched.forward_rows`,
+    for the policy and the reference alike)."""
     if reference not in (None, "frozen"):
         raise ValueError(f"reference={reference!r}: use 'frozen' or None (precomputed)")
 
     def loss_fn(policy, batch, *, frozen=None, rng=None):
-        _, logps, counts = branch_logps(policy, batch, 2)
+        _, logps, counts = branch_logps(policy, batch, 2, forward=forward)
         if "ref_logps" in batch:
             ref = batch["ref_logps"]
         elif frozen is not None:
-            ref = jax.lax.stop_gradient(branch_logps(frozen, batch, 2)[1])
+            ref = jax.lax.stop_gradient(branch_logps(frozen, batch, 2, forward=forward)[1])
         else:
             raise ValueError("the DPO loss needs batch['ref_logps'] or a reference model (frozen=...)")
         real = (counts[:, 0] > 0).astype(jnp.float32)  # padding rows (no pair) count nothing

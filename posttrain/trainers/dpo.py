@@ -14,6 +14,10 @@ rewards/accuracies, logps/chosen, logps/rejected (TRL's names); with data.eval t
 eval_*. Run folder, resume, checkpoints, sinks and the mesh are the shared driver's (`recipes.recipe`),
 exactly as for SFT; `posttrain export --run` writes the policy as a Hugging Face folder.
 
+Pairs with images (TRL's vision preference rows, a Qwen3-VL folder; `data/preference.py`) train the same way: the
+prompt and its images once per row, the tower's features at the prompt's image tokens (`vision.batched.forward_rows`,
+M-RoPE positions), the tower frozen unless model.train_vision.
+
 What it is not: online DPO (no sampling) or KTO (unpaired data).
 """
 
@@ -30,15 +34,17 @@ from flax import nnx
 
 from posttrain import config as C
 from posttrain import sharding as sh
+from posttrain.data.images import patch_bucket
 from posttrain.data.preference import load_pair_sets, pair_arrays, pair_batches, pair_shapes
 from posttrain.errors import PosttrainError
 from posttrain.losses.dpo import make_dpo_loss
 from posttrain.losses.logps import branch_logps
-from posttrain.models.lora import LoraParam, adapters_off
+from posttrain.models.lora import adapters_off
 from posttrain.plan import flops_per_token
-from posttrain.recipes.build import build_model, weights_stamp
+from posttrain.recipes.build import build_model, image_spec, trainable_filter, weights_stamp
 from posttrain.recipes.recipe import Parts, Recipe, lora_reference
 from posttrain.train.trainer import frozen_copy, place_batch
+from posttrain.vision.batched import forward_rows
 
 REF_FILE = "ref_logps.npz"
 LossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -77,7 +83,8 @@ class DPOTrainer(Recipe):
 
     def load(self) -> None:
         c, tok = self.config, self.tokenizer
-        self.train_pairs, self.data_stats, self.eval_pairs = load_pair_sets(c.data, tok)
+        images = image_spec(c.model, tok)  # a vision-language folder: pairs with an `images` column
+        self.train_pairs, self.data_stats, self.eval_pairs = load_pair_sets(c.data, tok, images)
         if len(self.train_pairs) < c.train.batch_size:
             raise PosttrainError(f"{c.data.train}: {len(self.train_pairs)} usable pairs are fewer than "
                                  f"train.batch_size={c.train.batch_size}; lower the batch size or add pairs")
@@ -86,16 +93,20 @@ class DPOTrainer(Recipe):
         if self.length > self.model.cfg.max_position:
             raise PosttrainError(f"a pair row is {self.length} tokens (prompt + both answers), more than the model's "
                                  f"maximum position {self.model.cfg.max_position}; lower data.max_length")
+        pairs = self.train_pairs + (self.eval_pairs or [])
+        self.vision = self.model.cfg.vision if any(p.pixels is not None for p in pairs) else None
+        self.patches = patch_bucket(pairs, self.vision) if self.vision is not None else 0
+        self.forward = forward_rows if self.vision is not None else None
         self._ref_fn = None
         d = c.dpo
         self.loss_fn = make_dpo_loss(beta=d.beta, loss_type=d.loss_type, label_smoothing=d.label_smoothing,
-                                     reference=None if d.precompute_ref else "frozen")
+                                     reference=None if d.precompute_ref else "frozen", forward=self.forward)
         if c.lora.enabled and not d.precompute_ref:
             self.loss_fn = lora_reference(self.loss_fn)
 
     def _arrays(self, pairs, ref=None) -> dict:
         return pair_arrays(pairs, self.length, self.score_length, self.tokenizer.pad_id,
-                           None if ref is None else {"ref_logps": ref})
+                           None if ref is None else {"ref_logps": ref}, vision=self.vision, patches=self.patches)
 
     def reference_logps(self, pairs) -> np.ndarray:
         """[N, 2] summed (chosen, rejected) log-probs of `pairs` under the initial model (the reference)."""
@@ -104,7 +115,7 @@ class DPOTrainer(Recipe):
         if self._ref_fn is None:  # one compiled forward for the train and the eval pairs (same shapes)
             def fn(gd, st, b):
                 with sh.use_mesh(self.mesh, self.rules):
-                    return branch_logps(nnx.merge(gd, st), b, 2)[1]
+                    return branch_logps(nnx.merge(gd, st), b, 2, forward=self.forward)[1]
 
             self._ref_fn = jax.jit(fn, static_argnums=0)
         arrays, bs, out = self._arrays(pairs), self.config.train.batch_size, []
@@ -125,7 +136,7 @@ class DPOTrainer(Recipe):
         # The key: the pairs' token ids and lengths, and what defines the reference model.
         digest = hashlib.sha256(repr((C.to_dict(c.model), C.to_dict(c.lora), weights_stamp(c.model.path))).encode())
         for p in self.train_pairs + (self.eval_pairs or []):
-            for x in (p.prompt, p.chosen, p.rejected):
+            for x in (p.prompt, p.chosen, p.rejected) + ((p.pixels, p.grids) if p.pixels is not None else ()):
                 digest.update(np.int64(len(x)).tobytes() + x.tobytes())
         key = digest.hexdigest()
         found = None
@@ -162,11 +173,13 @@ class DPOTrainer(Recipe):
         # The reference forward adds one forward (a third of a training step) unless precomputed.
         flops = flops_per_token(self.model.cfg, self.length) * (1.0 if d.precompute_ref else 4 / 3)
         return Parts(
-            model=self.model, loss_fn=self.loss_fn, trainable=LoraParam if c.lora.enabled else nnx.Param,
+            model=self.model, loss_fn=self.loss_fn,
+            trainable=trainable_filter(c.model, c.lora, self.model.cfg),  # a VLM's tower frozen unless train_vision
             frozen=frozen_copy(self.model) if not d.precompute_ref and not c.lora.enabled else None,
             batches=lambda graphdef: iter(pair_batches(
                 self.train_pairs, batch_size=c.train.batch_size, length=self.length, score_length=self.score_length,
-                pad_id=tok.pad_id, seed=c.data.seed, shuffle=c.data.shuffle, extra=extra)),
+                pad_id=tok.pad_id, seed=c.data.seed, shuffle=c.data.shuffle, extra=extra, vision=self.vision,
+                patches=self.patches)),
             eval_arrays=(lambda: self._arrays(self.eval_pairs, ref_eval)) if self.eval_pairs else None,
             flops_per_token=flops,
             summary=(f"{len(self.train_pairs)} pairs ({self.data_stats}), rows of {self.length} tokens, loss "
