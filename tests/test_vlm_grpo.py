@@ -4,8 +4,10 @@ TRL's vision prompt rows encode as Qwen3VLProcessor does (after TRL's `prepare_m
 group rows with images (the prompt once, its completions as branches, `rl/images.py`) give the per-token log-probs and
 gradients of unshared rows [prompt | c_i] (the SFT image-row forward); the GRPO loss on them equals TRL's
 `GRPOTrainer._compute_loss` fed transformers' per-token log-probs (TRL cannot generate for this model without its
-vision generation stack, so its loss is driven with stand-ins, as tests/test_policy_losses.py does); a short grpo run
-on image prompts is finite and leaves the tower as it was."""
+vision generation stack, so its loss is driven with stand-ins, as tests/test_policy_losses.py does): in float64,
+posttrain's loss code (`policy_loss`) fed transformers' float64 log-probs equals TRL's float64 loss (<= 1e-6);
+posttrain's models load in float32 at most, so its whole loss (forward included) is compared in float32 (<= 1e-5,
+log-probs <= 1e-5); a short grpo run on image prompts is finite and leaves the tower as it was."""
 
 import json
 import types
@@ -25,6 +27,7 @@ from posttrain.data.prompts import load_prompts
 from posttrain.errors import PosttrainError
 from posttrain.losses.grpo import make_grpo_loss
 from posttrain.losses.logps import branch_logps
+from posttrain.losses.policy import policy_loss
 from posttrain.rl.images import add_image_fields
 from posttrain.vision.batched import forward_rows, row_tables
 from posttrain.vision.qwen_vl import rope_index
@@ -181,19 +184,20 @@ def test_prefix_shared_image_rows_equal_unshared_rows(tmp_path, folder, tok, spe
 
 
 def hf_logps(folder, processor, prompts, conts):  # noqa: F811
-    """[B, N_GEN, WIDTH] float32 log-probs of the completions from Qwen3VLForConditionalGeneration, row by row."""
+    """[B, N_GEN, WIDTH] float64 log-probs of the completions from Qwen3VLForConditionalGeneration in float64, row by
+    row."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    hf = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
+    hf = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float64,
                                                          attn_implementation="eager").eval()
-    out = np.zeros((len(prompts), N_GEN, WIDTH), np.float32)
+    out = np.zeros((len(prompts), N_GEN, WIDTH), np.float64)
     for i, (p, c) in enumerate(zip(prompts, conts)):
         for j, ci in enumerate(c):
             ids = np.concatenate([p.ids, ci])[None]
             with torch.no_grad():
-                logits = hf(input_ids=torch.tensor(ids), pixel_values=torch.tensor(p.pixels),
+                logits = hf(input_ids=torch.tensor(ids), pixel_values=torch.tensor(p.pixels).double(),
                             image_grid_thw=torch.tensor(p.grids),
-                            mm_token_type_ids=torch.tensor((ids == IMAGE) * 1)).logits[0].float()
+                            mm_token_type_ids=torch.tensor((ids == IMAGE) * 1)).logits[0]
             lp = torch.log_softmax(logits, -1)
             P = len(p.ids)
             out[i, j, :len(ci)] = lp[P - 1 + np.arange(len(ci)), torch.tensor(ci)].numpy()
@@ -201,7 +205,7 @@ def hf_logps(folder, processor, prompts, conts):  # noqa: F811
 
 
 def trl_loss(new, old, adv, mask, loss_type):
-    """TRL 1.16's GRPOTrainer._compute_loss on fixed per-token log-probs (float32 torch), beta 0."""
+    """TRL 1.16's GRPOTrainer._compute_loss on fixed per-token log-probs (in their dtype), beta 0."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from trl.trainer.grpo_trainer import GRPOTrainer
@@ -241,19 +245,27 @@ def test_grpo_loss_on_image_rows_equals_trl_on_transformers_logps(tmp_path, fold
     conts = completions(seed=5)
     batch = shared_batch(prompts, conts, model.cfg.vision)
     B = len(prompts)
-    new = hf_logps(folder, processor, prompts, conts).reshape(B * N_GEN, WIDTH)
+    new = hf_logps(folder, processor, prompts, conts).reshape(B * N_GEN, WIDTH)  # float64
     mask = batch["score_w"].reshape(B * N_GEN, WIDTH)
     rng = np.random.default_rng(6)
-    old = ((new + rng.normal(0, 0.3, new.shape)) * mask).astype(np.float32)  # ratios on both sides of the clip
-    adv = rng.normal(size=B * N_GEN).astype(np.float32)
-    batch.update(old_logps=old.reshape(B, -1), advantages=adv.reshape(B, N_GEN))
+    old = (new + rng.normal(0, 0.3, new.shape)) * mask  # ratios on both sides of the clip
+    adv = rng.normal(size=B * N_GEN)
+    want = trl_loss(new, old, adv, mask, loss_type)  # float64
+    with jax.enable_x64(True):  # posttrain's loss code fed the same float64 log-probs
+        ours64, _ = policy_loss(*(jnp.asarray(x, jnp.float64) for x in (new, old, adv, mask)), loss_type=loss_type,
+                                epsilon_low=0.2, epsilon_high=0.28, max_completion_length=WIDTH)
+        ours64 = float(ours64)
+    batch.update(old_logps=old.reshape(B, -1).astype(np.float32), advantages=adv.reshape(B, N_GEN).astype(np.float32))
+    batch = {k: jnp.asarray(v) for k, v in batch.items()}
     loss_fn = make_grpo_loss(num_generations=N_GEN, max_new_tokens=WIDTH, loss_type=loss_type, epsilon_high=0.28,
                              forward=forward_rows)
-    ours, _ = loss_fn(model, {k: jnp.asarray(v) for k, v in batch.items()})
-    want = trl_loss(new, old, adv, mask, loss_type)
-    print(f"{loss_type}: ours {float(ours):.6f}, TRL on transformers' log-probs {want:.6f}, "
-          f"|diff| {abs(float(ours) - want):.2e}")
-    assert abs(float(ours) - want) <= 1e-5, (float(ours), want)
+    ours, _ = loss_fn(model, batch)  # float32, the model's forward included
+    tok = np.asarray(branch_logps(model, batch, N_GEN, forward=forward_rows)[0]).reshape(B * N_GEN, WIDTH)
+    lp_diff = float(np.abs((tok - new) * mask).max())
+    print(f"{loss_type}: TRL float64 {want:.10f}; ours float64 on the same log-probs |diff| {abs(ours64 - want):.2e}; "
+          f"ours float32 end to end |diff| {abs(float(ours) - want):.2e}; token log-probs max diff {lp_diff:.2e}")
+    assert abs(ours64 - want) <= 1e-6, (ours64, want)
+    assert abs(float(ours) - want) <= 1e-5 and lp_diff <= 1e-5, (float(ours), want, lp_diff)
 
 
 def test_grpo_recipe_on_image_prompts(tmp_path, folder):  # noqa: F811
