@@ -353,24 +353,36 @@ def test_dpo_loss_on_image_rows_equals_trl(tmp_path, folder, policy_folder, proc
         assert abs(ours32 - want) <= tol and abs(ours32 - trl32) <= tol, (ours32, want, trl32)
 
 
-def test_dpo_recipe_on_image_pairs_and_export(tmp_path, folder, capsys):  # noqa: F811
-    """`posttrain dpo` on three image pairs: 2 steps, finite losses, the tower as loaded (frozen by default), the
-    text model moved; `posttrain export` writes a folder Qwen3VLForConditionalGeneration loads with those weights."""
+@pytest.mark.parametrize("extra", [{}, {"lora": {"enabled": True, "rank": 4}, "dpo": {"precompute_ref": True},
+                                      "train": {"eval_every": 2}, "optim": {"lr": 1e-2}}],
+                         ids=["full", "lora-precomputed-eval"])
+def test_dpo_recipe_on_image_pairs_and_export(tmp_path, folder, capsys, extra):  # noqa: F811
+    """`posttrain dpo` on three image pairs: 2 steps on the same batch of all three, the loss lower at the second,
+    the tower as loaded (frozen by default), the text model moved; `posttrain export` writes a folder
+    Qwen3VLForConditionalGeneration loads with those weights. Also with LoRA, the reference log-probs precomputed
+    and an evaluation of the same pairs."""
     import yaml
     from transformers import Qwen3VLForConditionalGeneration
 
     from posttrain.cli import main
 
     path, _ = write_pairs(tmp_path)
-    cfg = tmp_path / "cfg.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "model": {"path": folder}, "data": {"train": str(path), "max_length": 256},
-        "optim": {"lr": 1e-2, "schedule": "constant"}, "train": {"steps": 2, "batch_size": 2, "log_every": 1},
-        "checkpoint": {"async_save": False}, "metrics": {"sinks": ["jsonl"]}, "run_dir": str(tmp_path / "run")}))
-    assert main(["dpo", "--config", str(cfg)]) == 0, capsys.readouterr().err
-    logs = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
-    assert len(logs) == 2 and all(np.isfinite(r["loss"]) for r in logs), logs
+    cfg = {"model": {"path": folder}, "data": {"train": str(path), "max_length": 256, "shuffle": False},
+           "optim": {"lr": 1e-3, "schedule": "constant"}, "train": {"steps": 2, "batch_size": 3, "log_every": 1},
+           "checkpoint": {"async_save": False}, "metrics": {"sinks": ["jsonl"]}, "run_dir": str(tmp_path / "run")}
+    for key, value in extra.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    if extra:
+        cfg["data"]["eval"] = str(path)
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["dpo", "--config", str(tmp_path / "cfg.yaml")]) == 0, capsys.readouterr().err
+    records = list(map(json.loads, open(tmp_path / "run" / "metrics.jsonl")))
+    logs = [r for r in records if "loss" in r]
     print("losses", [r["loss"] for r in logs])
+    assert len(logs) == 2 and all(np.isfinite(r["loss"]) for r in logs) and logs[1]["loss"] < logs[0]["loss"], logs
+    if extra:
+        assert (tmp_path / "run" / "ref_logps.npz").is_file()
+        assert any(np.isfinite(r.get("eval_loss", np.nan)) for r in records), records
     assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
     base = Qwen3VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).state_dict()
     out = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()
