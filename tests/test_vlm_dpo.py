@@ -172,9 +172,11 @@ def unshared_logps(pairs, vision):
     for b, (p, a) in enumerate(seqs):
         s = np.concatenate([p.prompt, a])
         batch["tokens"][b, :len(s)], batch["segment_ids"][b, :len(s)] = s, 1
-        pos, _ = rope_index(batch["tokens"][b:b + 1], batch["segment_ids"][b:b + 1] != 0, p.grids, vision)
+        grids = np.zeros((0, 3), np.int64) if p.grids is None else p.grids  # a text pair: no images
+        pixels = np.zeros((0, vision.patch_dim), np.float32) if p.pixels is None else p.pixels
+        pos, _ = rope_index(batch["tokens"][b:b + 1], batch["segment_ids"][b:b + 1] != 0, grids, vision)
         positions.append(pos[:, 0])
-        tables.append(row_tables(p.pixels, p.grids, vision, patches))
+        tables.append(row_tables(pixels, grids, vision, patches))
     batch["positions"] = np.stack(positions)
     batch.update({k: np.stack([t[k] for t in tables]) for k in tables[0]})
     M = pair_shapes(pairs)[1]
@@ -193,13 +195,17 @@ def unshared_logps(pairs, vision):
 
 
 def test_prefix_shared_image_pair_rows_equal_unshared_rows(tmp_path, folder, tok, spec):  # noqa: F811
-    """Per-token log-probs and gradients (of a weighted sum of them) of the pair rows = the unshared rows', float32."""
+    """Per-token log-probs and gradients (of a weighted sum of them) of the pair rows = the unshared rows', float32;
+    a text pair beside the image pairs (its row without patches)."""
     from flax import nnx
 
     from posttrain.models import from_pretrained
 
     path, _ = write_pairs(tmp_path)
+    text = {"prompt": [{"role": "user", "content": "No image: 1+1?"}], "chosen": answer("2"), "rejected": answer("11")}
+    path.write_text(path.read_text() + json.dumps(text) + "\n")
     pairs, _ = load_pairs(path, tok, max_length=512, images=spec)
+    assert [p.pixels is None for p in pairs] == [False, False, False, True]
     model = from_pretrained(folder)
     vision = model.cfg.vision
     batch = image_batch(pairs, vision)

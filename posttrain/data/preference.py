@@ -184,8 +184,7 @@ def load_pairs(path, tok, *, max_length: int, max_prompt_length: Optional[int] =
     if truncation not in PAIR_TRUNCATION:
         raise PosttrainError(f"truncation={truncation!r}: use one of {', '.join(PAIR_TRUNCATION)}")
     counts = {"rows": 0, "skipped": 0, "truncated": 0, "dropped": 0}
-
-    base = Path(path) if Path(path).is_dir() else Path(path).parent
+    base = Path(path) if Path(path).is_dir() else Path(path).parent  # image paths are relative to the data file
 
     def parse(row, where):
         if not image_row(row):
