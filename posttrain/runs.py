@@ -134,7 +134,21 @@ def export_run(run_dir: str, out: str, dtype: Optional[str] = None, overwrite: b
     if best:
         best_step(run_dir)  # no such step: fail before anything is written
     tok, model = _exported(run_dir, best)
-    return save_pretrained(model, out, tokenizer=tok, dtype=dtype, overwrite=overwrite)
+    return save_pretrained(model, out, tokenizer=tok, dtype=dtype, overwrite=overwrite, files=_processor_files(run_dir))
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def _processor_files(run_dir: str) -> list[str]:
+    """The image processor files of the run's model.path folder (a vision-language model's export reads images with
+    them); none for a text model, a preset or `model.text_only`."""
+    with open(os.path.join(run_dir, "config.yaml")) as fh:
+        model = (yaml.safe_load(fh) or {}).get("model") or {}
+    base = model.get("path")
+    if not base or model.get("text_only"):
+        return []
+    return [os.path.join(base, f) for f in PROCESSOR_FILES if os.path.isfile(os.path.join(base, f))]
 
 
 def export_run_gguf(run_dir: str, path: str, gguf_type: str = "f32", best: bool = False) -> str:

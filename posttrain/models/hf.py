@@ -293,8 +293,9 @@ def from_pretrained(path: str, dtype: str = "float32", mesh=None, compute_dtype:
 
 
 def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_bytes: int = 5 * 2**30,
-                    dtype: Optional[str] = None, overwrite: bool = False, **config_extra) -> str:
-    """Write config.json + safetensors (+ tokenizer) that transformers loads; atomic per folder.
+                    dtype: Optional[str] = None, overwrite: bool = False, files=(), **config_extra) -> str:
+    """Write config.json + safetensors (+ tokenizer, + `files` copied as they are: a vision-language folder's
+    image processor file) that transformers loads; atomic per folder.
 
     An existing `path` is replaced only when it is empty or a previous export (else pass overwrite=True;
     a run folder is never replaced), see `check_export_target`; the new folder is written beside it
@@ -356,6 +357,8 @@ def save_pretrained(model: Transformer, path: str, tokenizer=None, max_shard_byt
             extra.setdefault("eos_token_id", tokenizer.eos_id)
             extra.setdefault("pad_token_id", tokenizer.pad_id)
             tokenizer.save_pretrained(tmp)
+        for f in files:
+            shutil.copyfile(f, os.path.join(tmp, os.path.basename(f)))
         # a vision-language model: the text model's config inside the folder's, both in the written dtype
         hf_cfg = config_to_hf(cfg.replace(param_dtype=out_dtype.name), vcfg, **extra)
         hf_cfg["dtype"] = str(out_dtype)
