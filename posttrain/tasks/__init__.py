@@ -11,7 +11,9 @@ split: their instances never occur in any training row (SFT, RL or preference), 
 
 Tasks: `addition` (addition.make_pairs, two numbers of `difficulty` digits, as the demo uses it),
 `arithmetic` (chains of + / - over several multi-digit operands, a minimum number of carries),
-`countdown` (reach a target from given numbers with + - * /). `difficulty` is an int level (see
+`countdown` (reach a target from given numbers with + - * /), `shapes` (an image task: "How many squares?" on
+small generated pictures, TRL vision rows with PIL images; `shapes.write_rows` saves them, `shapes.write_model`
+writes a tiny random Qwen3-VL to train from scratch). `difficulty` is an int level (see
 each module's LEVELS) or a dict of that task's knobs (e.g. {"digits": 3, "operands": 4}).
 
 `tool_arithmetic` (its own module, not in TASKS: its rows are tool-use episodes for `posttrain.agentic`)
@@ -49,11 +51,18 @@ def _countdown(difficulty: Any = 2, seed: int = 0, n_eval: int = 200, **kw) -> T
     return countdown.make(difficulty, seed=seed, n_eval=n_eval, **kw)
 
 
+def _shapes(difficulty: Any = 2, seed: int = 0, n_eval: int = 200, **kw) -> TaskData:
+    from posttrain.tasks import shapes
+
+    return shapes.make(difficulty, seed=seed, n_eval=n_eval, **kw)
+
+
 # name -> make function (imported on use: `import posttrain.tasks` stays cheap)
 TASKS: dict[str, Callable[..., TaskData]] = {
     "addition": _addition,
     "arithmetic": _arithmetic,
     "countdown": _countdown,
+    "shapes": _shapes,
 }
 
 
