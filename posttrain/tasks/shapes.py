@@ -8,13 +8,14 @@ beside a JSONL file, relative paths):
   sft_train / sft_eval    {"prompt": [user: image + question], "completion": [assistant: "3"], "images": [image]}
   prompts / eval_prompts  {"prompt": [user: image + question], "images": [image], "answer": "3"}  (`last_number`)
   pairs / eval_pairs      {"prompt", "chosen": [assistant: "3"], "rejected": [assistant: a wrong count], "images"}
-The held-out split is by the drawing (which cells, which colours): no held-out image occurs in any training row.
+The held-out split is by the drawing (which cells, colours and places): no held-out image occurs in any training row.
 `verify(row, completion)` is the `last_number` reward's check (the completion's last number equals "answer").
 
-`noise` (a knob, default 0): the fraction of SFT completions that are a careless annotator's count, one more
-than the truth (sft_train only; the RL rows, the pairs and sft_eval keep the true count). With noise above one half
-a model that imitates the SFT rows answers count + 1 greedily, yet samples the true count often: the room that GRPO,
-rewarded by the exact count, closes (tests/test_vlm_learning.py; the text demo's partial SFT plays that part there).
+`noise` (a knob, default 0): the fraction of the SFT completions of pictures of `noisy_from` (default 4) or more
+squares that are a careless annotator's count, one more than the truth (sft_train only; the RL rows, the pairs and
+sft_eval keep the true count). With noise above one half (`DEMO`: 0.7 from 4 squares) a model that imitates the
+SFT rows answers count + 1 greedily there, yet samples the true count often: the room that GRPO, rewarded by the
+exact count, closes (tests/test_vlm_learning.py; the text demo's partial SFT plays that part there).
 
 `write_model(path, seed=0)` writes a tiny random `qwen3_vl` folder that reads these images (4-pixel patches: a
 32 x 32 image is 64 patches, 16 image tokens; with 8-pixel patches, 4 image tokens, the from-scratch SFT found the
