@@ -5,12 +5,13 @@ GRPO with the exact-count reward, gains >= 15 points of greedy held-out accuracy
 The room for GRPO: the SFT rows come from a careless annotator who says count + 1 for 70 % of the pictures of 4 or 5
 squares (`shapes.DEMO`: `noise`, `noisy_from`), so the SFT model answers those greedily wrong but samples the true
 count often; pictures of 1-3 squares are labelled right. GRPO's reward is the true count (`last_number` against
-"answer"); the tower stays as SFT left it. Seen on 2 shared CPU cores (AMD EPYC, other jobs running): seed 0 SFT
-0.645 -> GRPO 0.900 (+25.5 points), seed 1 0.575 -> 0.800 (+22.5), seed 2 0.650 -> 1.000 (+35.0): counts 1-3 right
-after SFT, 4 and 5 wrong; GRPO puts 5 right and 4 partly (seeds 0, 1) or wholly (seed 2); 215-275 s in all with
-another run beside it. The same seed 0 run through the CLI (configs/vlm_shapes_*.yaml) gave 0.645 -> 1.000. With
-8-pixel patches (4 image tokens) and 200 SFT steps seed 0 gained +35.0 but seed 1's SFT never left the label prior
-(0.21 -> 0.21)."""
+"answer"); the tower stays as SFT left it. Seen on 2 shared CPU cores (AMD EPYC, other jobs running), under this
+suite's XLA flags (conftest.py): seed 0 SFT 0.645 -> GRPO 0.900 (+25.5 points; the same in three runs), seed 1
+0.495 -> 0.975 (+48.0); under the CLI's default flags (other float round-off) seed 1 0.575 -> 0.800 (+22.5), seed 2
+0.650 -> 1.000 (+35.0), and seed 0 through the CLI (configs/vlm_shapes_*.yaml) 0.645 -> 1.000. Counts 1-3 are right
+after SFT, 4 and 5 wrong; GRPO puts 5 right and 4 partly or wholly. The file took 170 s (both tests) beside other
+jobs. With 8-pixel patches (4 image tokens) and 200 SFT steps seed 0 gained +35.0 but seed 1's SFT never left the
+label prior (0.21 -> 0.21)."""
 
 import json
 
