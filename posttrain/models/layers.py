@@ -124,10 +124,10 @@ def rope_cos_sin(positions, rope: RopeConfig, head_dim: int):
     head_dim = rotary_dim(rope, head_dim)
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(rope, head_dim))  # [B, T, H/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
+    if positions.ndim == 3:  # mix the angles, then one cos / sin per element (the same values as mixing after):
+        emb = mrope_mix(rope, emb)  # XLA fuses the tables into every consumer, so 3 axes cost 3x there
     scale = rope_scale(rope)
     cos, sin = jnp.cos(emb), jnp.sin(emb)
-    if positions.ndim == 3:
-        cos, sin = mrope_mix(rope, cos), mrope_mix(rope, sin)
     if scale != 1.0:
         return cos * scale, sin * scale
     return cos, sin
