@@ -20,8 +20,8 @@ Usage: .venv/bin/python benchmarks/vlm.py --threads 2 --json out.json [--rounds 
 """
 
 import copy
+import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -120,6 +120,12 @@ def image_row(rng, grids, length: int):
 def rss_now() -> int:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory since its exec (VmHWM; ru_maxrss would count the forking parent's)."""
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
 
 
 class Ours:
@@ -267,7 +273,7 @@ def main():
             print(f"SUMMARY train {res['train_ratio']:.2f}x (bar 1.0), generate {res['gen_ratio']:.2f}x (bar 2.0); "
                   f"first-step losses {loss0}; greedy tokens equal {res['greedy_tokens_equal_fraction']:.0%}",
                   flush=True)
-    res["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    res["peak_rss_bytes"] = peak_rss()
     if args.rss_per_side and not args.only:
         for n in libs:
             res[f"{n}_alone_peak_rss_bytes"] = alone_rss(n)
@@ -275,8 +281,9 @@ def main():
 
 
 def alone_rss(side: str) -> int:
-    """Peak RSS of a child running this benchmark for one side only, one round."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--only", side, "--rounds", "1"]
+    """Peak RSS of a child running this benchmark for one side only, one round (its own VmHWM, from its JSON)."""
+    out = tempfile.NamedTemporaryFile(suffix=".json", delete=False).name
+    cmd = [sys.executable, os.path.abspath(__file__), "--only", side, "--rounds", "1", "--json", out]
     skip = {"--json", "--rounds", "--only"}
     argv = sys.argv[1:]
     i = 0
@@ -287,11 +294,13 @@ def alone_rss(side: str) -> int:
         if argv[i] != "--rss-per-side":
             cmd.append(argv[i])
         i += 1
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"vlm.py: the --only {side} child failed (exit {os.waitstatus_to_exitcode(status)})")
-    return usage.ru_maxrss * 1024
+    code = subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode
+    if code != 0:
+        fail(f"the --only {side} child (for --rss-per-side) failed with exit {code}; run it alone to see why")
+    with open(out) as fh:
+        peak = json.load(fh)["peak_rss_bytes"]
+    os.unlink(out)
+    return peak
 
 
 if __name__ == "__main__":
