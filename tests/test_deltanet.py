@@ -155,11 +155,12 @@ def test_unit_lower_inverse_equals_the_matrix_inverse(C):
     low = np.tril(r.uniform(0, 1, (6, C, 1)) * (k @ k.swapaxes(1, 2)) * np.exp(g[:, :, None] - g[:, None, :]), -1)
     plain = np.tril(r.normal(size=(2, C, C)), -1)
     eps = np.finfo(np.float64).eps
+    inverse = jax.jit(deltanet.unit_lower_inverse)  # one program a shape (op by op: ~60 small compiles at C = 64)
     with jax.enable_x64(True):
         for L in (low, plain):
             A = np.eye(C) + L
             want = np.linalg.inv(A)
-            got = np.asarray(deltanet.unit_lower_inverse(jnp.asarray(L)))
+            got = np.asarray(inverse(jnp.asarray(L)))
             # The forward error of any backward-stable triangular inverse is bounded by ~ C * eps * cond(A) relative to
             # the inverse's size (Higham, Accuracy and Stability, ch. 8), so the bound follows each matrix's
             # conditioning, not one machine's rounding: the plain C = 64 matrices have cond ~ 1e9 and inverse entries

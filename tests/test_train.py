@@ -108,7 +108,7 @@ def test_chat_loss_matches_transformers(hf_checkpoints):
     assert max(ids) < 97 and 0 < sum(mask) < len(ids)
     arrays = to_arrays([Example(np.asarray(ids, np.int32), np.asarray(mask, np.int32), "chat:1")], len(ids), 0,
                        packing=False)
-    total, m = sft_loss(from_pretrained(hf_checkpoints["qwen3"]), _jnp(arrays))
+    total, m = nnx.jit(sft_loss)(from_pretrained(hf_checkpoints["qwen3"]), _jnp(arrays))  # one program, not op by op
     labels = torch.tensor([[i if k else -100 for i, k in zip(ids, mask)]])
     hf = AutoModelForCausalLM.from_pretrained(hf_checkpoints["qwen3"], dtype=torch.float32).eval()
     with torch.no_grad():
