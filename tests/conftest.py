@@ -165,7 +165,13 @@ SLOW_TESTS = {
                         "test_dpo_loss_on_image_rows_equals_trl", "test_dpo_recipe_on_image_pairs_and_export"},
     "test_scan_layers.py": {"test_cached_forward_equals_the_loop", "test_sampler_equals_the_loop",
                             "test_loss_and_grads_equal_the_loop", "test_train_steps_equal_the_loop"},
+    # (#53, make test-fast <= 3 min) whole command-line runs: the export safety tests' shared 4-step SFT run and the
+    # profiler / MFU run (9.5 and 5.8 CPU s; test_sft_cli's 2-step run stays the edit loop's one command-line run)
+    "test_ops_run.py": {"test_sinks_profiler_and_mfu_during_a_run"},
 }
+SLOW_TESTS["test_no_data_loss.py"] |= {"test_export_into_the_run_folder_is_refused_and_the_run_still_exports",
+                                       "test_export_over_a_folder_with_user_files_needs_overwrite",
+                                       "test_full_disk_during_export_keeps_the_previous_export"}
 
 
 def pytest_collection_modifyitems(items):
