@@ -169,62 +169,49 @@ def encode_image_prompt(row: dict, where: str, tok, spec: ImageSpec, base: Path)
     images = row["images"] if "images" in row else [row["image"]]
     if not isinstance(images, list):
         images = [images]
-    prompt = row["prompt"]
-    if not isinstance(prompt, list):
-        raise PosttrainError(f"{where}: a prompt with images must be a list of messages (conversational) with "
-                             f'{{"type": "image"}} content parts where the images go; this one is '
-                             f"{type(prompt).__name__}")
-    msgs, count = _parts(prompt, where, "prompt")
-    if count == 0:
-        msgs, count = _parts(_first_user_images(msgs, len(images)), where, "prompt")
-    if count != len(images):
-        raise PosttrainError(f"{where}: the row has {len(images)} image(s) but {count} "
-                             f'{{"type": "image"}} content part(s); give one image per image part, in order')
+    msgs = image_messages(row["prompt"], images, where)
     ids = tok.apply_chat_template(messages({"prompt": msgs}, "prompt", where), add_generation_prompt=True,
                                   where=where)
-    ids, _, pixels, grids = _expand(list(ids), [0] * len(ids), images, where, spec, base)
-    return ids, pixels, grids
+    return expand_images(ids, images, where, spec, base)
 
 
 def _expand(ids: list, mask: list, images: list, where: str, spec: ImageSpec, base: Path):
     """(ids, mask, pixels, grids): each image token of `ids` repeated to its image's token count (mask values with
     it), the images read and patched."""
     cfg = spec.vision
-    at = [i for i, t in enumerate(ids) if t == cfg.image_token_id]
+    at, (pixels, grids) = _read_images(ids, cfg.image_token_id, "image token", images, where, spec, base)
+    counts = qwen_vl_image_tokens(grids, cfg.spatial_merge_size)
+    ids, mask = _splice(ids, mask, at, [[ids[i]] * int(c) for i, c in zip(at, counts)])
+    return ids, mask, pixels, np.asarray(grids, np.int64)
+
+
+def _read_images(ids: list, token_id: int, label: str, images: list, where: str, spec: ImageSpec, base: Path):
+    """(the indices of `token_id` in ids, the processor's output for the images): one such token per image."""
+    at = [i for i, t in enumerate(ids) if t == token_id]
     if len(at) != len(images):
-        raise PosttrainError(f"{where}: the chat template wrote {len(at)} image token(s) (id {cfg.image_token_id}) "
-                             f"for {len(images)} image part(s); use the model's own chat template")
+        raise PosttrainError(f"{where}: the chat template wrote {len(at)} {label}(s) (id {token_id}) for "
+                             f"{len(images)} image part(s); use the model's own chat template")
     sources = [_source(im, base, where, i) for i, im in enumerate(images)]
     try:
-        pixels, grids = spec.settings.pixels(sources)
+        return at, spec.settings.pixels(sources)
     except PosttrainError as err:
         raise PosttrainError(f"{where}: {err}") from None
-    counts = qwen_vl_image_tokens(grids, cfg.spatial_merge_size)
+
+
+def _splice(ids: list, mask: list, at: list, runs: list) -> tuple[list, list]:
+    """ids with the token at each index of `at` replaced by its run of tokens (the mask value repeated with it)."""
     out_ids, out_mask, last = [], [], 0
-    for k, i in enumerate(at):
-        out_ids += ids[last:i] + [ids[i]] * int(counts[k])
-        out_mask += mask[last:i] + [mask[i]] * int(counts[k])
+    for i, run in zip(at, runs):
+        out_ids += ids[last:i] + run
+        out_mask += mask[last:i] + [mask[i]] * len(run)
         last = i + 1
-    return out_ids + ids[last:], out_mask + mask[last:], pixels, np.asarray(grids, np.int64)
+    return out_ids + ids[last:], out_mask + mask[last:]
 
 
 def patch_bucket(examples, vision) -> int:
     """Patches per row of an image dataset: the most any example has, rounded up to a multiple of 64 (a few
     buckets of compiled shapes, never one per image size)."""
-    most = max((0 if ex.pixels is None else len(ex.pixels)) for ex in examples)
-    step = max(64, vision.spatial_merge_size ** 2)
-    return max(step, -(-most // step) * step)
-
-
-def image_fields(example, row: dict, vision, patches: int) -> dict:
-    """The image fields of one laid-out row (`vision.batched.TABLE_FIELDS`) and its [3, T] M-RoPE positions."""
-    grids = example.grids if example.grids is not None else np.zeros((0, 3), np.int64)
-    pixels = example.pixels if example.pixels is not None else np.zeros((0, vision.patch_dim), np.float32)
-    try:
-        pos, _ = rope_index(row["tokens"][None], (row["segment_ids"] != 0)[None], grids, vision)
-    except PosttrainError as err:
-        raise PosttrainError(f"{example.where}: {err}") from None
-    return {"positions": pos[:, 0], **row_tables(pixels, grids, vision, patches)}
+    return group_patch_bucket(examples, [[i] for i in range(len(examples))], vision)
 
 
 def group_patch_bucket(examples, groups, vision) -> int:
@@ -238,10 +225,10 @@ def group_patch_bucket(examples, groups, vision) -> int:
 
 
 def group_image_fields(group: list, row: dict, vision, patches: int) -> dict:
-    """`image_fields` of a row holding several examples (packing; segment s holds group[s - 1]): the images of all
-    of them, in order, and each segment's M-RoPE positions from its own `rope_index` (they restart at 0 in each
-    segment, as one example alone would have them). One example gives `image_fields`. Gemma 3: the row's images
-    as `pixels` [patches, 3, S, S] (`vision.batched.gemma3_forward_rows`)."""
+    """The image fields of one laid-out row (`vision.batched.TABLE_FIELDS`) and its [3, T] M-RoPE positions, for a
+    row of one example or several (packing; segment s holds group[s - 1]): the images of all of them, in order, and
+    each segment's positions from its own `rope_index` (they restart at 0 in each segment, as one example alone
+    would have them). Gemma 3: the row's images as `pixels` [patches, 3, S, S] (`batched.gemma3_forward_rows`)."""
     if is_gemma3(vision):  # Gemma 3: the row's images [patches, 3, S, S], zero after them; positions stay 1-D
         side = vision.vision.image_size
         out = np.zeros((patches, 3, side, side), np.float32)
@@ -296,23 +283,13 @@ def _expand_gemma3(ids: list, mask: list, images: list, where: str, spec: ImageS
     """(ids, mask, pixels [images, 3, S, S], None): each <start_of_image> of `ids` replaced by Gemma3Processor's
     full image sequence (mask values with it), the images read and resized."""
     v = spec.vision
-    at = [i for i, t in enumerate(ids) if t == v.boi_token_id]
-    if len(at) != len(images):
-        raise PosttrainError(f"{where}: the chat template wrote {len(at)} <start_of_image> token(s) (id "
-                             f"{v.boi_token_id}) for {len(images)} image part(s); use the model's own chat template")
-    sources = [_source(im, base, where, i) for i, im in enumerate(images)]
-    try:
-        pixels = spec.settings.pixels(sources)
-    except PosttrainError as err:
-        raise PosttrainError(f"{where}: {err}") from None
+    at, pixels = _read_images(ids, v.boi_token_id, "<start_of_image> token", images, where, spec, base)
     newlines = tok.encode("\n\n", add_special_tokens=False)
     run = newlines + [v.boi_token_id] + [v.image_token_id] * v.mm_tokens_per_image + [v.eoi_token_id] + newlines
-    out_ids, out_mask, last = [], [], 0
-    for i in at:
-        out_ids += ids[last:i] + run
-        out_mask += mask[last:i] + [mask[i]] * len(run)
-        last = i + 1
-    return out_ids + ids[last:], out_mask + mask[last:], np.asarray(pixels, np.float32), None
+    ids, mask = _splice(ids, mask, at, [run] * len(at))
+    return ids, mask, np.asarray(pixels, np.float32), None
+
+
 def image_messages(msgs, images: list, where: str, field: str = "prompt") -> list:
     """`msgs` (a conversation with images) with its {"type": "image"} parts, as TRL's `prepare_multimodal_messages`
     gives them: the parts as written (null keys dropped), or, where there are none, `images` before the first user
