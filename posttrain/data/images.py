@@ -76,6 +76,21 @@ def has_images(row) -> bool:
     return isinstance(row, dict) and row.get("images") not in (None, [])
 
 
+def row_images(row, where: str, spec) -> list | None:
+    """The images of an RL prompt or preference row (TRL's `images` column, or its single `image`), None for a
+    text row; an error naming `where` when the row has images but there is no ImageSpec (a text model)."""
+    if has_images(row):
+        images = row["images"]
+    elif isinstance(row, dict) and row.get("image") is not None:
+        images = [row["image"]]
+    else:
+        return None
+    if spec is None:
+        raise PosttrainError(f"{where}: the row has images but the model is not a vision-language model (or this "
+                             "trainer reads text only); drop the 'images' column or use a qwen3_vl folder")
+    return images if isinstance(images, list) else [images]
+
+
 def _parts(msgs: list, where: str, field: str) -> tuple[list, int]:
     """The messages with each content part's null keys dropped (Arrow fills a struct's absent keys with None, which
     the template would read as present), and how many image parts they hold."""
@@ -166,9 +181,7 @@ def encode_image_prompt(row: dict, where: str, tok, spec: ImageSpec, base: Path)
     if is_gemma3(spec.vision):
         raise PosttrainError(f"{where}: RL prompts with images take a Qwen3-VL folder; Gemma 3 image rows train "
                              "through SFT only for now. Drop the images, or use a qwen3_vl model folder")
-    images = row["images"] if "images" in row else [row["image"]]
-    if not isinstance(images, list):
-        images = [images]
+    images = row_images(row, where, spec)
     msgs = image_messages(row["prompt"], images, where)
     ids = tok.apply_chat_template(messages({"prompt": msgs}, "prompt", where), add_generation_prompt=True,
                                   where=where)

@@ -48,7 +48,7 @@ import numpy as np
 
 from posttrain.data.branches import pad_rows, shared_row
 from posttrain.data.formats import messages
-from posttrain.data.images import expand_images, has_images, image_messages, shared_image_fields
+from posttrain.data.images import expand_images, image_messages, row_images, shared_image_fields
 from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
@@ -142,18 +142,12 @@ def tokenize_pair(row, where: str, tok) -> tuple[list[int], list[int], list[int]
     return p, c, r, float(margin)
 
 
-def image_row(row) -> bool:
-    """Whether a preference row carries images (`images`, or TRL's single `image` column)."""
-    return isinstance(row, dict) and (has_images(row) or row.get("image") is not None)
-
-
 def tokenize_image_pair(row: dict, where: str, tok, spec, base: Path):
     """(prompt ids, chosen ids, rejected ids, margin, pixels, grids) of a preference row with images: its
     conversations as TRL 1.16's DataCollatorForVisionPreference renders them (`prepare_multimodal_messages`: the
     prompt's image parts, or the images before the first user text; the answers' text as parts), tokenized as
     `tokenize_pair`, then the prompt's image tokens expanded and the images patched (`data.images`)."""
-    images = row["images"] if has_images(row) else [row["image"]]
-    images = images if isinstance(images, list) else [images]
+    images = row_images(row, where, spec)
     chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
     if prompt is None and isinstance(chosen, list) and isinstance(rejected, list):  # implicit prompt: common turns
         cut = _common_start(chosen, rejected)
@@ -187,12 +181,9 @@ def load_pairs(path, tok, *, max_length: int, max_prompt_length: Optional[int] =
     base = Path(path) if Path(path).is_dir() else Path(path).parent  # image paths are relative to the data file
 
     def parse(row, where):
-        if not image_row(row):
+        if row_images(row, where, images) is None:
             p, c, r, margin = tokenize_pair(row, where, tok)
             return _fit(p, c, r, where, max_length, max_prompt_length, truncation) + (margin, None, None)
-        if images is None:
-            raise PosttrainError(f"{where}: the row has images but the model is not a vision-language model (or "
-                                 "this trainer reads text only); drop the 'images' column or use a qwen3_vl folder")
         p, c, r, margin, pixels, grids = tokenize_image_pair(row, where, tok, images, base)
         if truncation == "truncate" and max_prompt_length and len(p) > max_prompt_length:
             raise PosttrainError(f"{where}: the prompt with its image tokens is {len(p)} tokens, more than "

@@ -23,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from posttrain.data.formats import messages
-from posttrain.data.images import encode_image_prompt, has_images
+from posttrain.data.images import encode_image_prompt, row_images
 from posttrain.data.sources import parse_rows
 from posttrain.errors import PosttrainError
 
@@ -38,20 +38,13 @@ class Prompt:
     grids: Optional[np.ndarray] = None  # int64 [images, 3]: their (t, h, w) grids
 
 
-def _image_row(row) -> bool:
-    return isinstance(row, dict) and (has_images(row) or row.get("image") is not None)
-
-
 def tokenize_prompt(row, where: str, tok, max_prompt_length: int, images=None, base=None) -> Prompt:
     if not isinstance(row, dict) or "prompt" not in row:
         have = sorted(row) if isinstance(row, dict) else type(row).__name__
         raise PosttrainError(f"{where}: the row has no 'prompt' column (it has {have}); RL rows are "
                              f'{{"prompt": str or [messages], ...other columns for the reward functions}}')
     prompt, pixels, grids = row["prompt"], None, None
-    if _image_row(row):
-        if images is None:
-            raise PosttrainError(f"{where}: the row has images but the model is not a vision-language model (or "
-                                 "this trainer reads text only); drop the 'images' column or use a qwen3_vl folder")
+    if row_images(row, where, images) is not None:
         ids, pixels, grids = encode_image_prompt(row, where, tok, images, base)
     elif isinstance(prompt, str):
         if not prompt.strip():
