@@ -348,7 +348,7 @@ def _generation_eos_ids(config: Path) -> tuple[int, ...]:
     return tuple(values)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, the alphabet the ByteLevel pre-tokenizer emits."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table, shifted = {}, 0
@@ -364,7 +364,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 def byte_tokenizer() -> Tokenizer:
     """A 263-token tokenizer: 7 specials, then one token per byte. Needs no files."""
     vocab = {token: i for i, token in enumerate(BYTE_SPECIALS)}
-    vocab.update({char: BYTE_OFFSET + b for b, char in _bytes_to_unicode().items()})
+    vocab.update({char: BYTE_OFFSET + b for b, char in bytes_to_unicode().items()})
     # BPE with no merges never joins characters, so each byte stays exactly one token.
     raw = RawTokenizer(models.BPE(vocab=vocab, merges=[]))
     # No regex split and no prefix space: the text is mapped byte for byte, spaces included.

@@ -181,23 +181,15 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def _byte_chars() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (what the ByteLevel pre-tokenizer emits): byte b is token id b."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, shifted = {}, 0
-    for b in range(256):
-        table[b] = chr(b) if b in printable else chr(256 + shifted)
-        shifted += b not in printable
-    return table
-
-
 def write_tokenizer(path: str) -> None:
     """A 263-token byte-level tokenizer (256 bytes, then SPECIALS: pad <|endoftext|>, eos <|im_end|>) with
     CHAT_TEMPLATE, as tokenizer.json + tokenizer_config.json + chat_template.jinja."""
     from tokenizers import AddedToken, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Raw
 
-    raw = Raw(models.BPE(vocab={ch: b for b, ch in _byte_chars().items()}, merges=[]))
+    from posttrain.tokenizer import bytes_to_unicode
+
+    raw = Raw(models.BPE(vocab={ch: b for b, ch in bytes_to_unicode().items()}, merges=[]))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     raw.decoder = decoders.ByteLevel()
     raw.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
