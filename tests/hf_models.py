@@ -97,3 +97,24 @@ def qwen3_vl_model(text: dict, vision: dict, *, image: int, video: int, start: i
             elif name.endswith("bias"):
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+def gemma3_vl_model(text: dict, vision: dict, *, mm_tokens: int, image: int, boi: int, eoi: int):
+    """A tiny random transformers Gemma3ForConditionalGeneration (float32) whose features show: norms and biases
+    moved off their initial values, the text q/k projections scaled by QK_SCALE (attention not uniform), the
+    projector at scale 0.2 (transformers starts it at zero). Draws from torch's global generator: seed it first."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=mm_tokens,
+                       image_token_index=image, boi_token_index=boi, eoi_token_index=eoi)
+    model = Gemma3ForConditionalGeneration(cfg).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(QK_SCALE)
+            elif name.endswith("mm_input_projection_weight"):
+                p.copy_(0.2 * torch.randn_like(p))
+    return model

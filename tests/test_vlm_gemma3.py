@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hf_models import QK_SCALE
+from hf_models import gemma3_vl_model
 
 from posttrain.models import Transformer, from_pretrained, save_pretrained
 from posttrain.models import attention as attention_module
@@ -39,20 +39,8 @@ VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_att
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
     torch.manual_seed(0)
-    cfg = Gemma3Config(text_config=TEXT, vision_config=VISION, mm_tokens_per_image=MM, image_token_index=IMAGE,
-                       boi_token_index=BOI, eoi_token_index=EOI)
-    model = Gemma3ForConditionalGeneration(cfg).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(QK_SCALE)
-            elif name.endswith("mm_input_projection_weight"):
-                p.copy_(0.2 * torch.randn_like(p))
+    model = gemma3_vl_model(TEXT, VISION, mm_tokens=MM, image=IMAGE, boi=BOI, eoi=EOI)
     path = os.fspath(tmp_path_factory.mktemp("gemma3_vl") / "hf")
     model.save_pretrained(path)
     return path

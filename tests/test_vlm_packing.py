@@ -18,6 +18,7 @@ import pytest
 import test_vlm_gemma3 as g3
 import torch
 from flax import nnx
+from hf_models import gemma3_vl_model
 from test_vlm_data import IMAGE as QWEN_IMAGE
 from test_vlm_data import PAD, folder, spec, tok, write_rows  # noqa: F401 (fixtures)
 from test_vlm_gemma3 import IMAGE as GEMMA_IMAGE
@@ -69,20 +70,8 @@ def qwen_alone(hf, ex):
 @pytest.fixture(scope="module")
 def gemma_folder(tmp_path_factory):
     """test_vlm_gemma3.py's tiny folder (its fixture's `folder` name is the Qwen3-VL folder's here)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
     torch.manual_seed(0)
-    cfg = Gemma3Config(text_config=g3.TEXT, vision_config=g3.VISION, mm_tokens_per_image=MM,
-                       image_token_index=GEMMA_IMAGE, boi_token_index=g3.BOI, eoi_token_index=g3.EOI)
-    model = Gemma3ForConditionalGeneration(cfg).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(g3.QK_SCALE)
-            elif name.endswith("mm_input_projection_weight"):
-                p.copy_(0.2 * torch.randn_like(p))
+    model = gemma3_vl_model(g3.TEXT, g3.VISION, mm_tokens=MM, image=GEMMA_IMAGE, boi=g3.BOI, eoi=g3.EOI)
     path = str(tmp_path_factory.mktemp("gemma3_vl") / "hf")
     model.save_pretrained(path)
     return path
@@ -254,21 +243,9 @@ def gemma_image_processor():
 def gemma_data_folder(tmp_path_factory):
     """test_vlm_gemma3.py's tiny model with a 272-token vocabulary (bytes + Gemma's specials), its tokenizer, image
     processor and processor_config.json (image_seq_length) saved beside it."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
     torch.manual_seed(1)
     text = {**g3.TEXT, "vocab_size": 272, "pad_token_id": G_PAD, "bos_token_id": G_BOS, "eos_token_id": G_EOS}
-    cfg = Gemma3Config(text_config=text, vision_config=g3.VISION, mm_tokens_per_image=MM, image_token_index=G_IMAGE,
-                       boi_token_index=G_BOI, eoi_token_index=G_EOI)
-    model = Gemma3ForConditionalGeneration(cfg).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(g3.QK_SCALE)
-            elif name.endswith("mm_input_projection_weight"):
-                p.copy_(0.2 * torch.randn_like(p))
+    model = gemma3_vl_model(text, g3.VISION, mm_tokens=MM, image=G_IMAGE, boi=G_BOI, eoi=G_EOI)
     path = str(tmp_path_factory.mktemp("gemma3_data") / "hf")
     model.save_pretrained(path)
     gemma_tokenizer("gemma3.jinja").save_pretrained(path)
