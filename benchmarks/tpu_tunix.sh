@@ -2,7 +2,7 @@
 # posttrain beside Tunix (google-tunix 0.1.7) on one TPU chip, one call: each side in its own process (one program
 # at a time may hold the chip), Tunix through the reference scripts of ../shared/anchors (tunix_bench.py,
 # tunix_rl_bench.py, unchanged), posttrain through benchmarks/tpu.py at the same model shape and dtype.
-#   bash benchmarks/tpu_tunix.sh OUTDIR [PART ...]      parts: train sample grpo (default: all three)
+#   bash benchmarks/tpu_tunix.sh OUTDIR [PART ...]      parts: train train2k sample grpo (default: train sample grpo)
 # Before it: scripts/tpu.sh has installed posttrain's dependencies on this machine (TPU_SITE), .whl-tunix/ holds
 # Tunix's wheels that the machine's index lacks (`bash scripts/tpu_wheels.sh tunix` where PyPI is reachable) and
 # .anchors/ a copy of ../shared/anchors (both folders are git-ignored: carry them). Results: OUTDIR/tunix.jsonl
@@ -12,6 +12,7 @@
 #   train   the llama3-1b layer shape cut to 4 layers and a 32,768 vocabulary (376 M parameters: float32 AdamW
 #           for the full 1.24 B model needs 20 GB), 4 x 1024 tokens, float32: Tunix's PeftTrainer and its plain
 #           nnx.value_and_grad step against posttrain's train step
+#   train2k the same at 2 x 2048 tokens (Tunix's attention builds the [T, T] scores; posttrain's is splash)
 #   sample  the whole llama3-1b shape with an untied head (1.50 B), 128 prompt + 512 greedy new tokens: Tunix's
 #           Sampler at 32 rows, float32 (64 rows do not fit it), against posttrain's Sampler at 256 rows, bf16
 #   grpo    the train shape, 8 prompts x 8 samples x 128 new tokens, prompt 128, float32, beta 0, reward = the
@@ -60,6 +61,10 @@ for part in $PARTS; do
     train)
       tunix train tunix_bench.py $SMALL_T --batch 4 --seq 1024 --steps 5 --reps 3 --skip gen
       posttrain sft:4:1024:1:none --shape "$SMALL_P" --dtype float32 ;;
+    train2k)  # seq 2048 (issue #51's length), 2 rows; each Tunix step in its own process (both do not fit at once)
+      tunix train2k_peft tunix_bench.py $SMALL_T --batch 2 --seq 2048 --steps 5 --reps 3 --skip gen,plain
+      tunix train2k_plain tunix_bench.py $SMALL_T --batch 2 --seq 2048 --steps 5 --reps 3 --skip gen,peft
+      posttrain sft:2:2048:1:none --shape "$SMALL_P" --dtype float32 ;;
     sample)
       tunix sample tunix_bench.py $BIG_T --batch 32 --prompt 128 --new 512 --reps 3 --skip peft,plain
       posttrain sample:256:128:512 --shape "$BIG_P" --dtype bfloat16 --steps 3 ;;
@@ -67,6 +72,6 @@ for part in $PARTS; do
       tunix grpo tunix_rl_bench.py $SMALL_T --batch 64 --num-generations 8 --prompt 128 --max-completion 128 \
         --steps 5 --skip dpo
       posttrain grpo:8:8:128:128:none --shape "$SMALL_P" --dtype float32 --steps 4 ;;
-    *) echo "unknown part $part (train | sample | grpo)"; exit 2 ;;
+    *) echo "unknown part $part (train | train2k | sample | grpo)"; exit 2 ;;
   esac
 done
