@@ -3,6 +3,7 @@
 # at a time may hold the chip), Tunix through the reference scripts of ../shared/anchors (tunix_bench.py,
 # tunix_rl_bench.py, unchanged), posttrain through benchmarks/tpu.py at the same model shape and dtype.
 #   bash benchmarks/tpu_tunix.sh OUTDIR [PART ...]      parts: train train2k sample grpo (default: train sample grpo)
+# GRPO_DTYPE=bfloat16: posttrain's GRPO side in bfloat16 (Tunix's stays float32, its only dtype).
 # Before it: scripts/tpu.sh has installed posttrain's dependencies on this machine (TPU_SITE), .whl-tunix/ holds
 # Tunix's wheels that the machine's index lacks (`bash scripts/tpu_wheels.sh tunix` where PyPI is reachable) and
 # .anchors/ a copy of ../shared/anchors (both folders are git-ignored: carry them). Results: OUTDIR/tunix.jsonl
@@ -71,7 +72,7 @@ for part in $PARTS; do
     grpo)
       tunix grpo tunix_rl_bench.py $SMALL_T --batch 64 --num-generations 8 --prompt 128 --max-completion 128 \
         --steps 5 --skip dpo
-      posttrain grpo:8:8:128:128:none --shape "$SMALL_P" --dtype float32 --steps 4 ;;
+      posttrain grpo:8:8:128:128:none --shape "$SMALL_P" --dtype "${GRPO_DTYPE:-float32}" --steps 4 ;;
     *) echo "unknown part $part (train | train2k | sample | grpo)"; exit 2 ;;
   esac
 done
