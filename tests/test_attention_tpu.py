@@ -68,3 +68,37 @@ def test_splash_kernel_reused_across_traces():
     a = jax.jit(f)(q, k, v)
     b = jax.jit(lambda q, k, v: jax.lax.scan(lambda c, x: (c, f(*x)), 0, (q[None], k[None], v[None]))[1][0])(q, k, v)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+@pytest.mark.slow
+def test_long_rows_take_the_long_tile_and_equal_dense(monkeypatch):
+    """Rows of LONG slots or more are tiled by LONG_BLOCK (1024 for 8192+ on a TPU); here LONG is lowered to 1024 so
+    a 1000-token row (padded to 1024) is one 1024-tile where BLOCKS alone would give two 512-tiles, and the
+    kernel so tiled still equals dense attention, outputs and gradients."""
+    from posttrain.models import attention_tpu as AT
+
+    monkeypatch.setattr(AT, "LONG", 1024)
+    AT._kernel.cache_clear()
+    try:
+        assert AT._kernel(1024, G, None, True).kwargs["block_sizes"].block_q == 1024
+        assert AT._kernel(896, G, None, True).kwargs["block_sizes"].block_q == 128  # below LONG: BLOCKS
+        T = 1000
+        lay = _layout(T, pad=[1000, 700])
+        r = np.random.default_rng(3)
+        q = jnp.asarray(r.normal(size=(B, T, K, G, H)), jnp.float32)
+        k = jnp.asarray(r.normal(size=(B, K, T, H)), jnp.float32)
+        v = jnp.asarray(r.normal(size=(B, K, T, H)), jnp.float32)
+        real = (lay.q_pos >= 0)[:, :, None, None, None]
+
+        def loss(impl, q, k, v):
+            out, _ = A.attention(q, k, v, lay, window=None, scale=H ** -0.5, cap=None, impl=impl)
+            return jnp.sum(jnp.where(real, out, 0) ** 2), out
+
+        (_, o_ref), g_ref = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)("dense", q, k, v)
+        impl = "splash" if jax.default_backend() == "tpu" else "splash_interpret"
+        (_, o_got), g_got = jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True)(impl, q, k, v)
+        np.testing.assert_allclose(np.asarray(o_got), np.asarray(o_ref), atol=2 * ATOL)
+        for a, b in zip(g_got, g_ref):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5 * ATOL)
+    finally:
+        AT._kernel.cache_clear()  # kernels built under the lowered LONG must not serve later tests

@@ -19,6 +19,10 @@ import jax
 import jax.numpy as jnp
 
 BLOCKS = (512, 256, 128)  # the largest that divides the padded length is the tile; rows are padded to 128
+# rows of LONG or more slots take 1024-tiles when they divide the row: llama3-1b, 1 x 8192, dots remat on a v5e chip,
+# 47.4 % MFU against 43.8 % with 512-tiles (docs/benchmarks.md, TPU fifth session); shorter rows keep BLOCKS (their
+# 55.5 % MFU was measured with 512)
+LONG, LONG_BLOCK = 8192, 1024
 
 
 @functools.lru_cache(maxsize=32)
@@ -27,7 +31,7 @@ def _kernel(T: int, groups: int, cap, interpret: bool):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    b = next(x for x in BLOCKS if T % x == 0)
+    b = next(x for x in ((LONG_BLOCK,) if T >= LONG else ()) + BLOCKS if T % x == 0)
     sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
     mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(groups)])
