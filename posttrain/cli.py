@@ -30,51 +30,29 @@ def _generate(args) -> None:
         raise PosttrainError("--prompt is empty; give the text to continue")
     dtype = canonical_dtype(args.dtype, "--dtype")  # fp16, bf16, half, ... accepted
     tok = Tokenizer.from_pretrained(args.model)
-    images = prompt = None
-    if args.image:  # read before the model loads: a bad file fails fast, naming itself
-        from posttrain.vision import processor_settings
-
-        pixels, grids = processor_settings(args.model).pixels(args.image)
-    model = from_pretrained(args.model, dtype=dtype, text_only=args.text_only)
+    # read before the model loads: a bad file fails fast, naming itself
     if args.image:
-        prompt, image_id, images = _image_prompt(args, tok, model, pixels, grids)
-    text = args.prompt if prompt is None else prompt
-    if args.chat:
-        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    else:
-        ids = tok.encode(text)
-    if images is not None:  # each <|image_pad|> becomes its image's run of tokens, as Qwen-VL's processor does
-        from posttrain.generate import expand_image_tokens
-        from posttrain.vision import qwen_vl_image_tokens
+        from posttrain.generate.prompt_images import PromptImages
 
-        ids = expand_image_tokens(ids, image_id, qwen_vl_image_tokens(grids, model.cfg.vision.spatial_merge_size))
+        images = PromptImages(args.model, args.image, tok, text_only=args.text_only)
+    else:
+        images = None
+    model = from_pretrained(args.model, dtype=dtype, text_only=args.text_only)
+    text = args.prompt if images is None else images.prompt(args.prompt)
+    if args.chat:  # rendered, then tokenised as transformers' processors do (the template writes the specials)
+        text = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                       tokenize=False)
+    ids = tok.encode(images.expand_text(text) if images else text, add_special_tokens=not args.chat)
+    if images is not None:
+        ids = images.expand_ids(ids)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, n=args.n, stop_ids=tok.eos_ids)
     sampler = Sampler(model, max_len=len(ids) + args.max_new_tokens)
-    out = sampler.generate([ids], params, key=jax.random.key(args.seed), images=images)
+    out = sampler.generate([ids], params, key=jax.random.key(args.seed),
+                           images=None if images is None else [images.inputs])
     for i, text in enumerate(out.texts(tok)):
         prefix = f"[{i}] " if args.n > 1 else ""
         print(f"{prefix}{text}")
-
-
-def _image_prompt(args, tok, model, pixels, grids):
-    """(the prompt with one <|vision_start|><|image_pad|><|vision_end|> per image, the image token id, the
-    Sampler's images) for `generate --image` on a Qwen3-VL folder."""
-    from posttrain.generate import ImageInputs
-    from posttrain.generate.vision import image_prompt
-    from posttrain.vision.qwen_vl import VisionConfig
-
-    vcfg = model.cfg.vision
-    if not isinstance(vcfg, VisionConfig):
-        raise PosttrainError(f"--image: {args.model} is not a vision-language folder posttrain samples images with "
-                             "(Qwen3-VL), or was loaded with --text-only")
-    names = {i: t for t, i in tok.get_vocab().items()}
-    ids = (vcfg.vision_start_token_id, vcfg.image_token_id, vcfg.vision_end_token_id)
-    if any(i not in names for i in ids):
-        raise PosttrainError(f"--image: the tokenizer of {args.model} has no token for the image ids {ids} of its "
-                             "config.json; use the tokenizer files of the same checkpoint")
-    text = image_prompt(args.prompt, len(args.image), "".join(names[i] for i in ids))
-    return text, vcfg.image_token_id, [ImageInputs(grids=grids, pixels=pixels)]
 
 
 def _eval(args) -> None:
@@ -263,8 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "float16 (fp16, half)")
     g.add_argument("--text-only", action="store_true", help="a multimodal Gemma 4 folder: its text model only")
     g.add_argument("--image", action="append", default=[], metavar="PATH",
-                   help="an image for a Qwen3-VL folder (repeatable): one per <image> in the prompt, or all "
-                   "before the prompt's text when it has none")
+                   help="an image for a Qwen3-VL or Gemma 3 folder (repeatable): one per <image> in the prompt, "
+                   "or all before the prompt's text when it has none")
     g.set_defaults(func=_generate)
     for name, (_, helptext) in trainers.TRAINERS.items():
         t = sub.add_parser(name, help=helptext)

@@ -146,6 +146,12 @@ def load_config(path: str, text_only: bool = False) -> ModelConfig:
     return _read_config(path, text_only)[0]
 
 
+def load_vision_config(path: str, text_only: bool = False):
+    """The vision config of a vision-language HF folder as `from_pretrained` loads it (Qwen3-VL's VisionConfig,
+    Gemma 3's Gemma3VisionConfig), or None (a text model, or text_only)."""
+    return _read_config(path, text_only)[3]
+
+
 def _read_config(path: str, text_only: bool) -> tuple:
     """(ModelConfig, prefix of the backbone's weight names, the multimodal folder's family or None, its vision config
     when the folder loads as a vision-language model, else None; a tower inside the Transformer is also cfg.vision)."""

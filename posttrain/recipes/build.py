@@ -20,6 +20,8 @@ from flax import nnx
 from posttrain import sharding as sh
 from posttrain.errors import PosttrainError
 from posttrain.models import Transformer, from_pretrained, load_config, preset
+from posttrain.models.family import vision_of
+from posttrain.models.hf import load_vision_config
 from posttrain.models.lora import LoraParam, apply_lora
 from posttrain.plan import plan
 from posttrain.tokenizer import Tokenizer, byte_tokenizer
@@ -88,10 +90,8 @@ def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None) -> nnx.Mod
     if mc.path:
         model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules,
                                 text_only=mc.text_only)
-        if not isinstance(model, Transformer):  # a vision-language folder (Gemma 3): no recipe feeds images yet
-            raise PosttrainError(f"model.path {mc.path} is a vision-language model ({type(model).__name__}); the "
-                                 "recipes train text only: set model.text_only: true to train its text model")
-        model.cfg = model.cfg.replace(**numerics(mc))
+        text = text_model(model)  # Gemma 3's Gemma3VL wraps the Transformer (its `cfg` is the text model's)
+        text.cfg = text.cfg.replace(**numerics(mc))
     else:
         cfg = preset_config(mc, tok)
         if mesh is None:
@@ -107,13 +107,26 @@ def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None) -> nnx.Mod
     return model
 
 
-def trainable_filter(mc, lora, model_cfg):
-    """What trains: the LoRA adapters or every weight, with a vision-language model's tower frozen unless
-    model.train_vision (then its weights train too, beside the adapters with LoRA)."""
+def text_model(model) -> Transformer:
+    """The Transformer of a model: itself, or the one a vision-language wrapper holds at `.text` (Gemma3VL)."""
+    return model if isinstance(model, Transformer) else model.text
+
+
+def model_vision(model):
+    """A vision-language model's vision config (Qwen3-VL's `cfg.vision`, Gemma 3's `vcfg`), else None: what the
+    image rows and batches of a recipe are laid out for."""
+    return vision_of(model)[1]
+
+
+def trainable_filter(mc, lora, model):
+    """What trains in `model`: the LoRA adapters or every weight, with a vision-language model's tower (and Gemma
+    3's projector, as Qwen3-VL's merger is in its tower) frozen unless model.train_vision (then its weights train
+    too, beside the adapters with LoRA)."""
     base = LoraParam if lora is not None and lora.enabled else nnx.Param
-    if getattr(model_cfg, "vision", None) is None:
+    if model_vision(model) is None:
         return base
-    tower = nnx.All(nnx.Param, nnx.PathContains("vision"))
+    parts = getattr(model, "TOWER", ("vision",))  # the submodules that make the image features
+    tower = nnx.All(nnx.Param, nnx.Any(*(nnx.PathContains(p) for p in parts)))
     return nnx.Any(base, tower) if mc.train_vision else nnx.All(base, nnx.Not(tower))
 
 
@@ -121,13 +134,13 @@ def image_spec(mc, tok: Tokenizer):
     """The `data.images.ImageSpec` of a vision-language model folder (None for a text model): image rows need it."""
     if not mc.path:
         return None
-    cfg = model_config(mc, tok)
-    if getattr(cfg, "vision", None) is None:
+    vision = load_vision_config(mc.path, mc.text_only)
+    if vision is None:
         return None
     from posttrain.data.images import image_spec as spec
     from posttrain.vision.preprocess import processor_settings
 
-    return spec(processor_settings(mc.path), cfg.vision)
+    return spec(processor_settings(mc.path), vision)
 
 
 def memory_plan(c, model_cfg, mesh_shape: dict, *, seq_len: Optional[int] = None, kv_cache_tokens: int = 0) -> dict:

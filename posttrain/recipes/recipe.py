@@ -197,7 +197,7 @@ class Recipe:
         filter is the one the recipe trains with (`build.trainable_filter`: a VLM's tower frozen unless
         model.train_vision)."""
         model = build_model(config.model, tok, config.lora)
-        return model, trainable_filter(config.model, config.lora, model.cfg)
+        return model, trainable_filter(config.model, config.lora, model)
 
     @classmethod
     def exported(cls, config, model) -> nnx.Module:

@@ -41,7 +41,7 @@ from posttrain.losses.dpo import make_dpo_loss
 from posttrain.losses.logps import branch_logps
 from posttrain.models.lora import adapters_off
 from posttrain.plan import flops_per_token
-from posttrain.recipes.build import build_model, image_spec, trainable_filter, weights_stamp
+from posttrain.recipes.build import build_model, image_spec, model_vision, trainable_filter, weights_stamp
 from posttrain.recipes.recipe import Parts, Recipe, lora_reference
 from posttrain.train.trainer import frozen_copy, place_batch
 from posttrain.vision.batched import forward_rows
@@ -94,7 +94,7 @@ class DPOTrainer(Recipe):
             raise PosttrainError(f"a pair row is {self.length} tokens (prompt + both answers), more than the model's "
                                  f"maximum position {self.model.cfg.max_position}; lower data.max_length")
         pairs = self.train_pairs + (self.eval_pairs or [])
-        self.vision = self.model.cfg.vision if any(p.pixels is not None for p in pairs) else None
+        self.vision = model_vision(self.model) if any(p.pixels is not None for p in pairs) else None
         self.patches = patch_bucket(pairs, self.vision) if self.vision is not None else 0
         self.forward = forward_rows if self.vision is not None else None
         self._ref_fn = None
@@ -174,7 +174,7 @@ class DPOTrainer(Recipe):
         flops = flops_per_token(self.model.cfg, self.length) * (1.0 if d.precompute_ref else 4 / 3)
         return Parts(
             model=self.model, loss_fn=self.loss_fn,
-            trainable=trainable_filter(c.model, c.lora, self.model.cfg),  # a VLM's tower frozen unless train_vision
+            trainable=trainable_filter(c.model, c.lora, self.model),  # a VLM's tower frozen unless train_vision
             frozen=frozen_copy(self.model) if not d.precompute_ref and not c.lora.enabled else None,
             batches=lambda graphdef: iter(pair_batches(
                 self.train_pairs, batch_size=c.train.batch_size, length=self.length, score_length=self.score_length,

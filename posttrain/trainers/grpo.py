@@ -39,7 +39,7 @@ from posttrain.losses.advantages import ESTIMATORS
 from posttrain.losses.grpo import make_grpo_loss
 from posttrain.losses.policy import POLICY_LOSSES
 from posttrain.plan import flops_per_token
-from posttrain.recipes.build import trainable_filter
+from posttrain.recipes.build import model_vision, trainable_filter
 from posttrain.recipes.recipe import Parts, group_rows, lora_reference
 from posttrain.recipes.rl import RLRecipe
 from posttrain.rl.offpolicy import StaleRollout
@@ -143,7 +143,7 @@ class GRPOTrainer(RLRecipe):
         if c.moe.routing_replay and (not self.model.cfg.num_experts or self.agentic):
             raise PosttrainError("moe.routing_replay needs a mixture-of-experts model and env.enabled=false; set "
                                  "moe.routing_replay=false")
-        self.vision = self.model.cfg.vision if any(p.pixels is not None for p in self.prompts) else None
+        self.vision = model_vision(self.model) if any(p.pixels is not None for p in self.prompts) else None
         if self.vision is not None and self.agentic:
             raise PosttrainError("image prompts with env.enabled are not supported yet; use text prompts or "
                                  "env.enabled=false")
@@ -180,7 +180,7 @@ class GRPOTrainer(RLRecipe):
                    + (f"episodes of {c.env.max_turns} turns / {c.env.max_tokens} tokens, tools "
                       f"{', '.join(c.tools.names)}, verifier {c.env.verifier}" if self.agentic
                       else f"rewards {dict(g.rewards)}"))
-        trainable = trainable_filter(c.model, c.lora, self.model.cfg)  # a VLM's tower frozen unless train_vision
+        trainable = trainable_filter(c.model, c.lora, self.model)  # a VLM's tower frozen unless train_vision
         return Parts(model=self.model, loss_fn=self.loss_fn, trainable=trainable,
                      frozen=frozen_copy(self.model) if full_ref else None, batches=self.rollout, summary=summary,
                      flops_per_token=flops_per_token(self.model.cfg, self.length) * (4 / 3 if g.beta else 1.0))

@@ -44,12 +44,12 @@ class SFTTrainer(Recipe):
     def build(self) -> Parts:
         c, tok = self.config, self.tokenizer
         d = c.data
-        evals, vision = None, self.model.cfg.vision if self.images is not None else None  # a VLM folder
+        evals, vision = None, self.images.vision if self.images is not None else None  # a VLM folder
         if self.eval_examples is not None:
             evals = lambda: to_arrays(self.eval_examples, d.max_length, tok.pad_id, d.packing, vision)  # noqa: E731
         return Parts(
             model=self.model, loss_fn=sft_loss if vision is None else functools.partial(sft_loss, forward=forward_rows),
-            trainable=trainable_filter(c.model, c.lora, self.model.cfg),
+            trainable=trainable_filter(c.model, c.lora, self.model),
             batches=lambda graphdef: iter(batches(self.train_examples, batch_size=c.train.batch_size,
                                                   seq_len=d.max_length, pad_id=tok.pad_id, packing=d.packing,
                                                   seed=d.seed, shuffle=d.shuffle, vision=vision)),

@@ -107,14 +107,24 @@ class Gemma3VL(nnx.Module):
     `model(tokens, positions, pixels=None, **kw)` is `text(...)` with the images merged in: pixels [N, 3, S, S]
     (`vision.preprocess.gemma3_pixels`), one per run of image tokens, in row-major order over the batch. Every
     other keyword (segment_ids, cache, return_hidden, ...) is the Transformer's. Without pixels it is the text
-    model (image tokens embed as tokens)."""
+    model (image tokens embed as tokens). `cfg` is the text model's ModelConfig (setting it sets the text model's:
+    the recipes' remat / precision settings)."""
+
+    TOWER = ("vision", "projector")  # what makes the image features: frozen in training unless model.train_vision
 
     def __init__(self, cfg: ModelConfig, vcfg: Gemma3VisionConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
         self.vcfg = vcfg
         self.text = Transformer(cfg, rngs=rngs)
         self.vision = SiglipVision(vcfg.vision, rngs=rngs)
         self.projector = Gemma3Projector(vcfg, cfg.embed_dim, rngs=rngs)
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return self.text.cfg
+
+    @cfg.setter
+    def cfg(self, value: ModelConfig) -> None:
+        self.text.cfg = value
 
     # the text model's parts the sampler reads (generate.Sampler runs a Gemma3VL as a Transformer)
     lm_head = property(lambda self: self.text.lm_head)
