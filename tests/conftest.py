@@ -163,6 +163,11 @@ SLOW_TESTS = {
                          "test_grpo_loss_on_image_rows_equals_trl_on_transformers_logps"},
     "test_vlm_dpo.py": {"test_prefix_shared_image_pair_rows_equal_unshared_rows",  # 50 s, 60 s, 31 s
                         "test_dpo_loss_on_image_rows_equals_trl", "test_dpo_recipe_on_image_pairs_and_export"},
+    # Gemma 3 folders through the recipes and the CLI: whole runs and exports, 18-60 s each on 2 busy cores
+    "test_vlm_gemma3_recipes.py": {"test_sft_trains_gemma3_on_image_rows_and_exports",
+                                   "test_sft_lora_on_gemma3_resumes_and_exports_from_the_cli",
+                                   "test_cli_generate_with_an_image_equals_transformers",
+                                   "test_dpo_on_gemma3_image_pairs", "test_grpo_on_gemma3_image_prompts"},
     "test_scan_layers.py": {"test_cached_forward_equals_the_loop", "test_sampler_equals_the_loop",
                             "test_loss_and_grads_equal_the_loop", "test_train_steps_equal_the_loop"},
     # (#53, make test-fast <= 3 min) whole command-line runs: the export safety tests' shared 4-step SFT run and the

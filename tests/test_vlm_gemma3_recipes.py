@@ -172,3 +172,108 @@ def test_cli_generate_with_an_image_equals_transformers(tmp_path, gemma_data_fol
     rc = cli.main(["generate", "--model", gemma_data_folder, "--prompt", "<image> and <image>", "--image", image])
     err = capsys.readouterr().err
     assert rc == 2 and "2 <image> placeholders but 1 images" in err and "Traceback" not in err
+
+
+# ----------------------------------------------------------------------------- DPO and GRPO on Gemma 3 image rows
+
+
+def gemma_spec_tok(folder):
+    from posttrain.recipes.build import image_spec
+    from posttrain.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_pretrained(folder)
+    return image_spec(C.ModelSection(path=folder), tok), tok
+
+
+def hf_token_logps(hf, prompt, answer, pixels):
+    """transformers' float32 log-probs of `answer`'s tokens after `prompt` (with its images), the row alone."""
+    ids = torch.tensor(np.concatenate([prompt, answer])[None]).long()
+    with torch.no_grad():
+        logits = hf(input_ids=ids, token_type_ids=(ids == G_IMAGE).long(),
+                    pixel_values=None if pixels is None else torch.tensor(pixels)).logits[0]
+    lp = torch.log_softmax(logits.double(), -1)
+    return lp[len(prompt) - 1 + torch.arange(len(answer)), torch.tensor(answer).long()].numpy()
+
+
+def test_dpo_on_gemma3_image_pairs(tmp_path, gemma_data_folder, capsys):  # noqa: F811
+    """test_vlm_dpo.py's TRL vision preference rows on the Gemma 3 folder: each prompt's ids hold Gemma3Processor's
+    image sequence; the prefix-shared pair rows' token log-probs (`branch_logps` through `forward_rows`) equal
+    transformers' on [prompt | chosen] and [prompt | rejected] alone (<= 2e-5); `posttrain dpo` 2 steps: the loss
+    falls, the export loads in transformers with the tower and projector as loaded and the text model moved."""
+    import yaml
+    from test_vlm_dpo import write_pairs
+    from transformers import Gemma3ForConditionalGeneration
+
+    from posttrain.data.images import patch_bucket
+    from posttrain.data.preference import load_pairs, pair_arrays, pair_shapes
+    from posttrain.losses.logps import branch_logps
+    from posttrain.vision.batched import forward_rows
+
+    path, _ = write_pairs(tmp_path)
+    spec, tok = gemma_spec_tok(gemma_data_folder)
+    pairs, counts = load_pairs(path, tok, max_length=256, images=spec)
+    assert counts["rows"] == 3 and counts["skipped"] == 0
+    run = [G_BOI] + [G_IMAGE] * 4  # the processor's <start_of_image> and its 4 image tokens
+    for p, n in zip(pairs, (1, 2, 1)):
+        assert len(p.pixels) == n and p.grids is None
+        starts = [i for i in range(len(p.prompt)) if list(p.prompt[i:i + 5]) == run]
+        assert len(starts) == n and int((p.prompt == G_IMAGE).sum()) == 4 * n
+    length, score_length = pair_shapes(pairs)
+    batch = pair_arrays(pairs, length, score_length, tok.pad_id, vision=spec.vision,
+                        patches=patch_bucket(pairs, spec.vision))
+    assert batch["pixels"].shape[1:] == (2, 3, 32, 32) and batch["positions"].ndim == 2
+    model = from_pretrained(gemma_data_folder)
+    got = np.asarray(nnx.jit(lambda m, b: branch_logps(m, b, 2, forward=forward_rows)[0])(
+        model, {k: jnp.asarray(v) for k, v in batch.items()}))
+    hf = Gemma3ForConditionalGeneration.from_pretrained(gemma_data_folder, dtype=torch.float32).eval()
+    err = 0.0
+    for i, p in enumerate(pairs):
+        want = np.concatenate([hf_token_logps(hf, p.prompt, a, p.pixels) for a in (p.chosen, p.rejected)])
+        err = max(err, float(np.abs(got[i, :len(want)] - want).max()))
+    print(f"pair rows against transformers: max |log-prob difference| {err:.2e}")
+    assert err <= 2e-5, err
+
+    cfg = {"model": {"path": gemma_data_folder}, "data": {"train": str(path), "max_length": 256, "shuffle": False},
+           "optim": {"lr": 3e-3, "schedule": "constant"}, "train": {"steps": 2, "batch_size": 3, "log_every": 1},
+           "checkpoint": {"async_save": False}, "metrics": {"sinks": ["jsonl"]}, "run_dir": str(tmp_path / "run")}
+    (tmp_path / "dpo.yaml").write_text(yaml.safe_dump(cfg))
+    assert cli.main(["dpo", "--config", str(tmp_path / "dpo.yaml")]) == 0, capsys.readouterr().err
+    logs = losses(tmp_path / "run")
+    print("dpo losses", logs)
+    assert len(logs) == 2 and logs[1] < logs[0], logs
+    assert cli.main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    base = hf.state_dict()
+    out = Gemma3ForConditionalGeneration.from_pretrained(tmp_path / "out", dtype=torch.float32).state_dict()
+    assert base.keys() == out.keys()
+    frozen = [k for k in base if "vision_tower" in k or "multi_modal_projector" in k]
+    assert frozen and all(torch.equal(base[k], out[k]) for k in frozen)
+    assert max(float((base[k] - out[k]).abs().max()) for k in base if k not in frozen) > 1e-4
+
+
+def test_grpo_on_gemma3_image_prompts(tmp_path, gemma_data_folder):  # noqa: F811
+    """test_vlm_grpo.py's TRL vision prompt rows on the Gemma 3 folder: 3 grpo steps with finite losses; the sampler's
+    log-probs (its image prefill equals transformers' generate: test_vlm_gemma3.py) equal the update's prefix-shared
+    image rows' (logp_mismatch_max <= 1e-4); a step with differing rewards has a gradient; the tower and projector stay as loaded,
+    the text model moves."""
+    from test_vlm_grpo import write_prompts
+
+    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+
+    path, _ = write_prompts(tmp_path)
+    cfg = C.from_dict(GRPOConfig, {
+        "model": {"path": gemma_data_folder}, "data": {"train": str(path), "max_prompt_length": 128, "seed": 1},
+        "grpo": {"num_generations": 4, "max_new_tokens": 4, "rewards": {"format": 1.0},
+                 "format_pattern": "(?s)[\\x00-\\x7f].*", "temperature": 1.0},
+        "optim": {"lr": 1e-3, "schedule": "constant"}, "train": {"steps": 3, "batch_size": 2, "log_every": 1},
+        "checkpoint": {"async_save": False}, "metrics": {"sinks": ["jsonl"]}, "run_dir": str(tmp_path / "run")})
+    trainer = GRPOTrainer(cfg, progress=False)
+    assert all(p.pixels is not None for p in trainer.prompts)
+    trainer.train()
+    logs = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
+    print("losses", [r["loss"] for r in logs], "logp_mismatch_max", [r["logp_mismatch_max"] for r in logs])
+    assert len(logs) == 3 and all(np.isfinite(r["loss"]) for r in logs), logs
+    assert all(r["logp_mismatch_max"] <= 1e-4 for r in logs), [r["logp_mismatch_max"] for r in logs]
+    assert any(r["reward/std"] > 0 and r["grad_norm"] > 0 for r in logs), logs  # a step that learns something
+    base = from_pretrained(gemma_data_folder)
+    assert moved(tower(base), tower(trainer.model)) == 0.0
+    assert float(jnp.abs(base.text.embed[...] - trainer.model.text.embed[...]).max()) > 0.0

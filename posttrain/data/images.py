@@ -177,15 +177,12 @@ def encode_image_prompt(row: dict, where: str, tok, spec: ImageSpec, base: Path)
     """(ids, pixels, grids) of an RL prompt row with images (TRL's GRPOTrainer rows: a `prompt` of messages with
     {"type": "image"} parts, or plain-text turns whose first user turn then gets the images before its text, as TRL's
     `prepare_multimodal_messages`; the images in `images`, or one in `image`), rendered with the generation prompt
-    and each <|image_pad|> expanded as Qwen3VLProcessor does."""
-    if is_gemma3(spec.vision):
-        raise PosttrainError(f"{where}: RL prompts with images take a Qwen3-VL folder; Gemma 3 image rows train "
-                             "through SFT only for now. Drop the images, or use a qwen3_vl model folder")
+    and each <|image_pad|> expanded as Qwen3VLProcessor does (Gemma 3: each <start_of_image> as Gemma3Processor)."""
     images = row_images(row, where, spec)
     msgs = image_messages(row["prompt"], images, where)
     ids = tok.apply_chat_template(messages({"prompt": msgs}, "prompt", where), add_generation_prompt=True,
                                   where=where)
-    return expand_images(ids, images, where, spec, base)
+    return expand_images(ids, images, where, spec, base, tok)
 
 
 def _expand(ids: list, mask: list, images: list, where: str, spec: ImageSpec, base: Path):
@@ -243,13 +240,7 @@ def group_image_fields(group: list, row: dict, vision, patches: int) -> dict:
     each segment's positions from its own `rope_index` (they restart at 0 in each segment, as one example alone
     would have them). Gemma 3: the row's images as `pixels` [patches, 3, S, S] (`batched.gemma3_forward_rows`)."""
     if is_gemma3(vision):  # Gemma 3: the row's images [patches, 3, S, S], zero after them; positions stay 1-D
-        side = vision.vision.image_size
-        out = np.zeros((patches, 3, side, side), np.float32)
-        held = [ex.pixels for ex in group if ex.pixels is not None]
-        if held:
-            held = np.concatenate(held)
-            out[:len(held)] = held
-        return {"pixels": out}
+        return gemma3_image_slots([ex.pixels for ex in group], vision, patches)
     positions = np.zeros((3, len(row["tokens"])), np.int32)
     pixels, grids = [], []
     for s, ex in enumerate(group, start=1):
@@ -274,6 +265,18 @@ def group_image_fields(group: list, row: dict, vision, patches: int) -> dict:
 def is_gemma3(vision) -> bool:
     """Whether `vision` is a Gemma 3 folder's Gemma3VisionConfig (images as whole pixel arrays, fixed tokens)."""
     return hasattr(vision, "mm_tokens_per_image")
+
+
+def gemma3_image_slots(pixels: list, vision, patches: int) -> dict:
+    """{"pixels": [patches, 3, S, S]}: the images of a row's examples or prompt (each [n, 3, S, S] or None), in
+    order, zero after them (`batched.gemma3_forward_rows` reads them; positions stay the text's)."""
+    side = vision.vision.image_size
+    out = np.zeros((patches, 3, side, side), np.float32)
+    held = [p for p in pixels if p is not None]
+    if held:
+        held = np.concatenate(held)
+        out[:len(held)] = held
+    return {"pixels": out}
 
 
 def _gemma3_spec(settings: ImageSettings, vision) -> ImageSpec:
@@ -320,10 +323,12 @@ def image_messages(msgs, images: list, where: str, field: str = "prompt") -> lis
     return out
 
 
-def expand_images(ids: list, images: list, where: str, spec: ImageSpec, base: Path):
+def expand_images(ids: list, images: list, where: str, spec: ImageSpec, base: Path, tok=None):
     """(ids, pixels, grids): each image token of `ids` repeated to its image's token count, as Qwen3VLProcessor
-    expands it, and the images read (paths from `base`) and patched; errors name `where`."""
-    ids, _, pixels, grids = _expand(list(ids), [0] * len(ids), images, where, spec, base)
+    expands it, and the images read (paths from `base`) and patched; errors name `where`. Gemma 3: each
+    <start_of_image> expanded as Gemma3Processor does, pixels [images, 3, S, S], grids None."""
+    expand = (lambda *a: _expand_gemma3(*a, tok)) if is_gemma3(spec.vision) else _expand
+    ids, _, pixels, grids = expand(list(ids), [0] * len(ids), images, where, spec, base)
     return ids, pixels, grids
 
 
@@ -332,6 +337,8 @@ def shared_image_fields(prompt_ids, pixels, grids, row: dict, vision, patches: i
     M-RoPE positions, the prompt's own (`rope_index` on the prompt alone) and each branch at its text position + the
     prompt's delta (the positions it has in its unshared row [prompt | branch]), 0 on padding; and the prompt's patch
     tables (`vision.batched.TABLE_FIELDS`, padded to `patches`)."""
+    if is_gemma3(vision):  # Gemma 3: the row's 1-D positions; the prompt's images padded to `patches` slots
+        return gemma3_image_slots([pixels], vision, patches)
     P = len(prompt_ids)
     grids = np.zeros((0, 3), np.int64) if grids is None else grids
     pixels = np.zeros((0, vision.patch_dim), np.float32) if pixels is None else pixels

@@ -167,7 +167,7 @@ def tokenize_image_pair(row: dict, where: str, tok, spec, base: Path):
     if image_id in c or image_id in r:
         raise PosttrainError(f"{where}: an answer holds the image token (id {image_id}); images go in the prompt "
                              "only")
-    p, pixels, grids = expand_images(p, images, where, spec, base)
+    p, pixels, grids = expand_images(p, images, where, spec, base, tok)
     return p, c, r, margin, pixels, grids
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from posttrain.data.images import gemma3_image_slots, is_gemma3
 from posttrain.generate import ImageInputs
 from posttrain.vision.batched import row_tables
 from posttrain.vision.qwen_vl import rope_index
@@ -41,7 +42,11 @@ def image_positions(prompt_ids, grids, text_positions: np.ndarray, vision) -> np
 
 
 def add_image_fields(batch: dict, group, vision, patches: int) -> dict:
-    """`batch` (group rows of `group`'s prompts) with [B, 3, L] positions and each prompt's image tables."""
+    """`batch` (group rows of `group`'s prompts) with [B, 3, L] positions and each prompt's image tables (Gemma 3:
+    its 1-D positions and each prompt's images, `data.images.gemma3_image_slots`)."""
+    if is_gemma3(vision):
+        batch["pixels"] = np.stack([gemma3_image_slots([p.pixels], vision, patches)["pixels"] for p in group])
+        return batch
     rows = []
     for i, p in enumerate(group):
         real = batch["segment_ids"][i] != 0
