@@ -66,11 +66,12 @@ class ModelSection(Section):
     scan_layers: bool = False
     seed: Seed = 0  # PRNG seed of a preset's weights, LoRA adapters (and their dropout) and new heads
     # model.path is a multimodal Gemma 4 folder (model_type gemma4): load its text model only (the
-    # vision and audio towers are not supported); a Gemma 3 vision-language folder (gemma3): its text model
-    # (the recipes take no images yet); default false
+    # vision and audio towers are not supported); a vision-language folder (gemma3, qwen3_vl): its text model
+    # alone (text rows only); default false
     text_only: bool = False
-    # a vision-language folder (qwen3_vl): train its vision tower too; false = the tower stays frozen (SFT on image
-    # rows trains the text model, and LoRA adapters only ever go on the text model); default false
+    # a vision-language folder (qwen3_vl, gemma3): train its vision tower (Gemma 3: and projector) too; false = the
+    # tower stays frozen (image rows train the text model, and LoRA adapters only ever go on the text model);
+    # default false
     train_vision: bool = False
 
     def __post_init__(self):

@@ -253,8 +253,8 @@ def test_dpo_on_gemma3_image_pairs(tmp_path, gemma_data_folder, capsys):  # noqa
 def test_grpo_on_gemma3_image_prompts(tmp_path, gemma_data_folder):  # noqa: F811
     """test_vlm_grpo.py's TRL vision prompt rows on the Gemma 3 folder: 3 grpo steps with finite losses; the sampler's
     log-probs (its image prefill equals transformers' generate: test_vlm_gemma3.py) equal the update's prefix-shared
-    image rows' (logp_mismatch_max <= 1e-4); a step with differing rewards has a gradient; the tower and projector stay as loaded,
-    the text model moves."""
+    image rows' (logp_mismatch_max <= 1e-4); a step with differing rewards has a gradient; the tower and projector
+    stay as loaded, the text model moves."""
     from test_vlm_grpo import write_prompts
 
     from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer

@@ -6,7 +6,7 @@ and optionally a `rollout:` section (`config.RolloutSection`). `RLRecipe.load()`
 alike: the prompts (TRL's prompt-only rows; other columns go to the reward functions), the reward functions
 (`rewards.registry`), the row length (the longest prompt + n completion slots, rounded up to 8), the policy
 (LoRA or full, on the mesh) and the position check; then the recipe's `make_loss()`. A recipe with
-`takes_images` reads TRL's vision prompt rows with a Qwen3-VL folder (`self.images`, `data.prompts`).
+`takes_images` reads TRL's vision prompt rows with a Qwen3-VL or Gemma 3 folder (`self.images`, `data.prompts`).
 For the batch source:
   - `make_sampler(model)`: one prompt bucket (the longest prompt's: prefill and decode compile once), on the
     sampler's own devices when `rollout.devices` is set (a data-parallel mesh of the last devices, the
@@ -48,7 +48,7 @@ class RLRecipe(Recipe):
 
     samples = True
     rollout_options: ClassVar[tuple] = ()  # of ROLLOUT_OPTIONS, what this recipe's loss supports
-    takes_images: ClassVar[bool] = False  # reads TRL's vision prompt rows with a Qwen3-VL folder (self.images)
+    takes_images: ClassVar[bool] = False  # reads TRL's vision prompt rows with a VLM folder (self.images)
 
     @property
     def section(self):

@@ -1,4 +1,4 @@
-"""Image prompts in GRPO rollouts (Qwen3-VL, issue #52): what the sampler and the update need beyond the text path.
+"""Image prompts in GRPO rollouts (Qwen3-VL, Gemma 3; #52): what the sampler and the update need beyond the text path.
 
 What it is: `sampler_images(group)` gives the Sampler each prompt's images (`generate.ImageInputs`, or None for a
 text prompt; the n samples of a prompt share its one image prefill), and `add_image_fields(batch, group, vision,

@@ -14,9 +14,9 @@ rewards/accuracies, logps/chosen, logps/rejected (TRL's names); with data.eval t
 eval_*. Run folder, resume, checkpoints, sinks and the mesh are the shared driver's (`recipes.recipe`),
 exactly as for SFT; `posttrain export --run` writes the policy as a Hugging Face folder.
 
-Pairs with images (TRL's vision preference rows, a Qwen3-VL folder; `data/preference.py`) train the same way: the
-prompt and its images once per row, the tower's features at the prompt's image tokens (`vision.batched.forward_rows`,
-M-RoPE positions), the tower frozen unless model.train_vision.
+Pairs with images (TRL's vision preference rows, a Qwen3-VL or Gemma 3 folder; `data/preference.py`) train the same
+way: the prompt and its images once per row, the tower's features at the prompt's image tokens
+(`vision.batched.forward_rows`; Qwen3-VL's M-RoPE positions), the tower frozen unless model.train_vision.
 
 What it is not: online DPO (no sampling) or KTO (unpaired data).
 """

@@ -123,7 +123,8 @@ class GRPOTrainer(RLRecipe):
     config_class = GRPOConfig
 
     rollout_options = ("dtype", "is_mode", "max_staleness")  # policy_loss corrects another sampler's log-probs
-    takes_images = True  # image prompts with a Qwen3-VL folder (rl/images.py; the tower frozen unless train_vision)
+    takes_images = True  # image prompts with a Qwen3-VL or Gemma 3 folder (rl/images.py; tower frozen unless
+    # model.train_vision)
 
     def slot_width(self) -> tuple[int, str]:
         """An agentic episode takes up to env.max_tokens slots."""
