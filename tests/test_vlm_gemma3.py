@@ -304,12 +304,15 @@ def test_sampler_with_images_equals_transformers_generate(model, hf_model):
 
 
 def test_recipes_build_the_whole_model_or_its_text_model(folder):
-    """The recipes' model: the Gemma3VL (its image rows: tests/test_vlm_gemma3_recipes.py), with the section's
-    numerics on its text model; with model.text_only its text model alone."""
+    """The model of a recipe that reads image rows: the Gemma3VL (tests/test_vlm_gemma3_recipes.py), with the
+    section's numerics on its text model; the other recipes refuse it; with model.text_only its text model alone."""
     from posttrain.config import ModelSection
+    from posttrain.errors import PosttrainError
     from posttrain.recipes.build import build_model
 
     tok = type("Tok", (), {"vocab_size": V})()  # build_model reads the tokenizer's size only
-    whole = build_model(ModelSection(path=folder, remat=True), tok)
+    whole = build_model(ModelSection(path=folder, remat=True), tok, images=True)
     assert isinstance(whole, Gemma3VL) and whole.text.cfg.remat and whole.cfg is whole.text.cfg
+    with pytest.raises(PosttrainError, match="text_only: true"):
+        build_model(ModelSection(path=folder), tok)
     assert isinstance(build_model(ModelSection(path=folder, text_only=True), tok), Transformer)

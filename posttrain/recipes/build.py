@@ -83,13 +83,19 @@ def model_config(mc, tok: Tokenizer):
     return preset_config(mc, tok)
 
 
-def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None) -> nnx.Module:
+def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None, *, images: bool = False) -> nnx.Module:
     """The policy: a HF folder or a randomly initialised preset, with LoRA adapters if enabled.
 
-    With a mesh the weights are created / loaded directly sharded."""
+    With a mesh the weights are created / loaded directly sharded. `images`: the recipe reads image rows (SFT, DPO,
+    GRPO), so a vision-language model that wraps its Transformer (Gemma 3's Gemma3VL) is built whole; the other
+    recipes refuse it (model.text_only: true trains its text model)."""
     if mc.path:
         model = from_pretrained(mc.path, dtype=mc.dtype, compute_dtype=mc.compute_dtype, mesh=mesh, rules=rules,
                                 text_only=mc.text_only)
+        if not images and not isinstance(model, Transformer):
+            raise PosttrainError(f"model.path {mc.path} is a vision-language model ({type(model).__name__}); this "
+                                 "recipe trains text only (sft, dpo and grpo take image rows): set "
+                                 "model.text_only: true to train its text model")
         text = text_model(model)  # Gemma 3's Gemma3VL wraps the Transformer (its `cfg` is the text model's)
         text.cfg = text.cfg.replace(**numerics(mc))
     else:

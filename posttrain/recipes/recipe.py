@@ -196,7 +196,7 @@ class Recipe:
         """(model, trainable filter) of a run of this recipe, with fresh weights (`runs.load_run` fills them); the
         filter is the one the recipe trains with (`build.trainable_filter`: a VLM's tower frozen unless
         model.train_vision)."""
-        model = build_model(config.model, tok, config.lora)
+        model = build_model(config.model, tok, config.lora, images=True)  # its training built it
         return model, trainable_filter(config.model, config.lora, model)
 
     @classmethod

@@ -91,7 +91,7 @@ class RLRecipe(Recipe):
         self.width, what = self.slot_width()
         self.length = round_up(self.longest + self.num_samples() * self.width)  # [prompt | n slots]
         self.reward_funcs, self.reward_weights = self.rewards()
-        self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules)
+        self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules, images=self.takes_images)
         if c.data.max_prompt_length + self.width > self.model.cfg.max_position:
             raise PosttrainError(f"data.max_prompt_length + {what} exceeds the model's maximum position "
                                  f"{self.model.cfg.max_position}")

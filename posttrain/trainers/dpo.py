@@ -89,7 +89,7 @@ class DPOTrainer(Recipe):
             raise PosttrainError(f"{c.data.train}: {len(self.train_pairs)} usable pairs are fewer than "
                                  f"train.batch_size={c.train.batch_size}; lower the batch size or add pairs")
         self.length, self.score_length = pair_shapes(self.train_pairs, self.eval_pairs or [])
-        self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules)
+        self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules, images=True)
         if self.length > self.model.cfg.max_position:
             raise PosttrainError(f"a pair row is {self.length} tokens (prompt + both answers), more than the model's "
                                  f"maximum position {self.model.cfg.max_position}; lower data.max_length")

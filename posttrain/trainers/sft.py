@@ -36,7 +36,7 @@ class SFTTrainer(Recipe):
                   images=self.images)
         self.train_examples, self.data_stats = load_examples(c.data.train, tok, **kw)
         self.eval_examples = load_examples(c.data.eval, tok, **kw)[0] if c.data.eval else None
-        self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules)
+        self.model = build_model(c.model, tok, c.lora, self.mesh, self.rules, images=True)
         if c.data.max_length > self.model.cfg.max_position:
             raise PosttrainError(f"data.max_length={c.data.max_length} exceeds the model's maximum position "
                                  f"{self.model.cfg.max_position}; lower data.max_length")
