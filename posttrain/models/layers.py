@@ -120,7 +120,26 @@ def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
 
 def rope_cos_sin(positions, rope: RopeConfig, head_dim: int):
     """(cos, sin), each [B, T, R] float32 (R = `rotary_dim`, H unless partial), for positions [B, T] int (shared
-    by every layer using `rope`); positions [3, B, T]: interleaved M-RoPE (`RopeConfig.mrope_section`)."""
+    by every layer using `rope`); positions [3, B, T]: interleaved M-RoPE (`RopeConfig.mrope_section`), whose
+    tables are computed once on a CPU (`computed_once`); 1-D positions keep the plain computation."""
+    if positions.ndim == 3:
+        return computed_once(functools.partial(_rope_tables, rope=rope, head_dim=head_dim), positions)
+    return _rope_tables(positions, rope, head_dim)
+
+
+def computed_once(fn, x):
+    """fn(x) (x an int array), on a CPU as the outputs of a `lax.cond` whose two branches are both fn: XLA's CPU
+    fusion otherwise recomputes an elementwise table such as RoPE's cos / sin inside every consumer (each head and
+    layer, forward and backward: scalar transcendentals each time) and drops `optimization_barrier`; a
+    conditional's outputs are buffers computed once. Same values. Other backends, or an empty x: fn(x) (a GPU's
+    conditional waits on its predicate). Used for M-RoPE and the vision tower's 2-D RoPE only: the text models'
+    1-D tables keep the fused computation, so their CPU round-off is unchanged."""
+    if jax.default_backend() != "cpu" or x.size == 0:
+        return fn(x)
+    return jax.lax.cond(x.reshape(-1)[0] >= 0, fn, fn, x)
+
+
+def _rope_tables(positions, rope: RopeConfig, head_dim: int):
     head_dim = rotary_dim(rope, head_dim)
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(rope, head_dim))  # [B, T, H/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)

@@ -24,10 +24,13 @@ arrays [I, 3, S, S] instead of the patch tables. What it is not: video, or the s
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posttrain.models.layers import computed_once
 from posttrain.vision.qwen_vl import VisionConfig, grid_tables
 
 TABLE_FIELDS = ("pixels", "patch_corners", "patch_weights", "patch_rows", "patch_cols", "patch_blocks")
@@ -49,6 +52,15 @@ def row_tables(pixels: np.ndarray, grids: np.ndarray, cfg: VisionConfig, patches
     out["patch_rows"][:n], out["patch_cols"][:n] = g["rows"], g["cols"]
     out["patch_blocks"][:n] = np.repeat(np.arange(1, len(g["lengths"]) + 1), g["lengths"])
     return out
+
+
+def _rope2d_tables(rows_cols, hd: int):
+    """(cos, sin) [B, P, hd] of the 2-D RoPE from each patch's (row, column) [2, B, P] (transformers'
+    VisionRotaryEmbedding over rows then columns)."""
+    inv = jnp.asarray(1.0 / (10_000.0 ** (np.arange(0, hd // 2, 2, dtype=np.float32) / np.float32(hd // 2))))
+    freqs = jnp.concatenate([rows_cols[0][..., None] * inv, rows_cols[1][..., None] * inv], axis=-1)
+    emb = jnp.concatenate([freqs, freqs], axis=-1).astype(jnp.float32)
+    return jnp.cos(emb), jnp.sin(emb)
 
 
 def _rope2d(x, cos, sin):
@@ -84,11 +96,8 @@ def tower_rows(tower, batch, dtype=jnp.float32):
     table = tower.pos_embed[...].astype(jnp.float32)
     pos = (jnp.take(table, batch["patch_corners"], axis=0) * batch["patch_weights"][..., None]).sum(1)
     x = x + pos.astype(dtype)
-    hd = cfg.hidden_size // cfg.num_heads
-    inv = jnp.asarray(1.0 / (10_000.0 ** (np.arange(0, hd // 2, 2, dtype=np.float32) / np.float32(hd // 2))))
-    freqs = jnp.concatenate([batch["patch_rows"][..., None] * inv, batch["patch_cols"][..., None] * inv], axis=-1)
-    emb = jnp.concatenate([freqs, freqs], axis=-1).astype(jnp.float32)
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    cos, sin = computed_once(functools.partial(_rope2d_tables, hd=cfg.hidden_size // cfg.num_heads),
+                             jnp.stack([batch["patch_rows"], batch["patch_cols"]]))
     blocks = batch["patch_blocks"]
     same = blocks[:, :, None] == blocks[:, None, :]
     deep, tokens = [], P // cfg.spatial_merge_size ** 2  # a merger's [B * tokens, out] back to rows
