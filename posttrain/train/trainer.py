@@ -196,6 +196,9 @@ def training_state(config, model, *, trainable, mesh=None, rules=None, optimizer
     graphdef, state = init_state(model, optimizer, trainable=trainable, seed=config.train.seed)
     if mesh is not None:  # optimizer state follows the parameters' shardings
         state = sh.shard_state(state, mesh, rules)
+    else:  # committed to its device (no copy), as a restored state is: a fresh and a resumed run lower the same
+        # programs (an uncommitted argument lowers without a sharding: another program, compiled again on resume)
+        state = jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, state)
     return graphdef, state, optimizer, lr
 
 
