@@ -1,7 +1,7 @@
 """The fault tests' launcher: imports posttrain once, then forks one fresh process per command.
 
 Every `posttrain` process pays ~8 s importing JAX, transformers and torch before it trains; the
-fault tests start eight processes per trainer. This script imports all of that once (JAX is
+fault tests start about ten processes per trainer. This script imports all of that once (JAX is
 imported but never started: no backend, no thread pool, so forking is safe) and then, for each
 JSON line on stdin, forks a child that runs `posttrain.cli.main(argv)` as the command line would,
 its stdout and stderr going through a pipe into the line's "log" file. The child is a real separate process: a
