@@ -255,18 +255,11 @@ def test_grpo_on_gemma3_image_prompts(tmp_path, gemma_data_folder):  # noqa: F81
     log-probs (its image prefill equals transformers' generate: test_vlm_gemma3.py) equal the update's prefix-shared
     image rows' (logp_mismatch_max <= 1e-4); a step with differing rewards has a gradient; the tower and projector
     stay as loaded, the text model moves."""
-    from test_vlm_grpo import write_prompts
+    from test_vlm_grpo import recipe_config
 
-    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+    from posttrain.trainers.grpo import GRPOTrainer
 
-    path, _ = write_prompts(tmp_path)
-    cfg = C.from_dict(GRPOConfig, {
-        "model": {"path": gemma_data_folder}, "data": {"train": str(path), "max_prompt_length": 128, "seed": 1},
-        "grpo": {"num_generations": 4, "max_new_tokens": 4, "rewards": {"format": 1.0},
-                 "format_pattern": "(?s)[\\x00-\\x7f].*", "temperature": 1.0},
-        "optim": {"lr": 1e-3, "schedule": "constant"}, "train": {"steps": 3, "batch_size": 2, "log_every": 1},
-        "checkpoint": {"async_save": False}, "metrics": {"sinks": ["jsonl"]}, "run_dir": str(tmp_path / "run")})
-    trainer = GRPOTrainer(cfg, progress=False)
+    trainer = GRPOTrainer(recipe_config(tmp_path, gemma_data_folder), progress=False)
     assert all(p.pixels is not None for p in trainer.prompts)
     trainer.train()
     logs = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]

@@ -268,24 +268,31 @@ def test_grpo_loss_on_image_rows_equals_trl_on_transformers_logps(tmp_path, fold
     assert abs(float(ours) - want) <= 1e-5 and lp_diff <= 1e-5, (float(ours), want, lp_diff)
 
 
+def recipe_config(tmp_path, model_path):
+    """A 3-step GRPO config on write_prompts' image prompts (4 samples of 4 tokens, the `format` reward), its run in
+    tmp_path/run: the recipe tests of both families (test_vlm_gemma3_recipes.py too)."""
+    from posttrain import config as C
+    from posttrain.trainers.grpo import GRPOConfig
+
+    path, _ = write_prompts(tmp_path)
+    return C.from_dict(GRPOConfig, {
+        "model": {"path": model_path}, "data": {"train": str(path), "max_prompt_length": 128, "seed": 1},
+        "grpo": {"num_generations": 4, "max_new_tokens": 4, "rewards": {"format": 1.0},
+                 "format_pattern": "(?s)[\\x00-\\x7f].*", "temperature": 1.0},
+        "optim": {"lr": 1e-3, "schedule": "constant"}, "train": {"steps": 3, "batch_size": 2, "log_every": 1},
+        "checkpoint": {"async_save": False}, "metrics": {"sinks": ["jsonl"]}, "run_dir": str(tmp_path / "run")})
+
+
 def test_grpo_recipe_on_image_prompts(tmp_path, folder):  # noqa: F811
     """A few grpo steps on image prompts: finite losses, rewards from `format`, the tower as loaded (frozen by
     default), the text model moved."""
     from flax import nnx
 
-    from posttrain import config as C
     from posttrain.models import from_pretrained
     from posttrain.runs import load_run
-    from posttrain.trainers.grpo import GRPOConfig, GRPOTrainer
+    from posttrain.trainers.grpo import GRPOTrainer
 
-    path, _ = write_prompts(tmp_path)
-    cfg = C.from_dict(GRPOConfig, {
-        "model": {"path": folder}, "data": {"train": str(path), "max_prompt_length": 128, "seed": 1},
-        "grpo": {"num_generations": 4, "max_new_tokens": 4, "rewards": {"format": 1.0},
-                 "format_pattern": "(?s)[\\x00-\\x7f].*", "temperature": 1.0},
-        "optim": {"lr": 1e-3, "schedule": "constant"}, "train": {"steps": 3, "batch_size": 2, "log_every": 1},
-        "checkpoint": {"async_save": False}, "metrics": {"sinks": ["jsonl"]}, "run_dir": str(tmp_path / "run")})
-    trainer = GRPOTrainer(cfg, progress=False)
+    trainer = GRPOTrainer(recipe_config(tmp_path, folder), progress=False)
     trainer.train()
     logs = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "loss" in r]
     assert len(logs) == 3 and all(np.isfinite(r["loss"]) for r in logs), logs
