@@ -87,7 +87,7 @@ def row_images(row, where: str, spec) -> list | None:
         return None
     if spec is None:
         raise PosttrainError(f"{where}: the row has images but the model is not a vision-language model (or this "
-                             "trainer reads text only); drop the 'images' column or use a qwen3_vl folder")
+                             "trainer reads text only); drop the 'images' column or use a qwen3_vl or gemma3 folder")
     return images if isinstance(images, list) else [images]
 
 

@@ -96,8 +96,7 @@ def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None, *, images:
             raise PosttrainError(f"model.path {mc.path} is a vision-language model ({type(model).__name__}); this "
                                  "recipe trains text only (sft, dpo and grpo take image rows): set "
                                  "model.text_only: true to train its text model")
-        text = text_model(model)  # Gemma 3's Gemma3VL wraps the Transformer (its `cfg` is the text model's)
-        text.cfg = text.cfg.replace(**numerics(mc))
+        model.cfg = model.cfg.replace(**numerics(mc))  # Gemma3VL's `cfg` sets its text model's
     else:
         cfg = preset_config(mc, tok)
         if mesh is None:
@@ -111,11 +110,6 @@ def build_model(mc, tok: Tokenizer, lora=None, mesh=None, rules=None, *, images:
         apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=lora.targets,
                    seed=mc.seed)
     return model
-
-
-def text_model(model) -> Transformer:
-    """The Transformer of a model: itself, or the one a vision-language wrapper holds at `.text` (Gemma3VL)."""
-    return model if isinstance(model, Transformer) else model.text
 
 
 def model_vision(model):
