@@ -66,7 +66,7 @@ def hf_checkpoints(tmp_path_factory):
 # start first and neither worker finishes minutes after the other. Order from `--durations=0`.
 LONGEST_FIRST = ["test_faults.py", "test_rl_learning.py", "test_hybrid_learning.py",
                  "test_vlm_learning.py", "test_docs.py", "test_distill.py", "test_ppo.py",
-                 "test_grpo.py", "test_cli.py", "test_gguf.py",
+                 "test_grpo.py", "test_cli.py", "test_gguf.py", "test_gguf_real.py",
                  "test_dpo.py", "test_attention.py", "test_branches.py", "test_moe.py", "test_offpolicy.py",
                  "test_gpt_oss.py", "test_kto.py", "test_online_dpo.py", "test_agentic_rollout.py",
                  "test_gemma4.py", "test_multiprocess_sft.py", "test_sharding.py", "test_models.py",
