@@ -33,6 +33,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 from hf_models import FAMILIES, make_checkpoint  # noqa: E402
 
 
+@pytest.fixture(scope="module")
+def trl():
+    """TRL 1.16's GRPO / RLOO trainer classes and torch, for the float64 parity tests (tests/trl_stand_ins.py)."""
+    import types
+    import warnings
+
+    import torch  # test dependencies: a missing one is an error, never a silent skip
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.trainer.grpo_trainer import GRPOTrainer
+        from trl.trainer.rloo_trainer import RLOOTrainer
+    return types.SimpleNamespace(torch=torch, GRPOTrainer=GRPOTrainer, RLOOTrainer=RLOOTrainer)
+
+
 @pytest.fixture
 def x64():
     """float64 inside a test only (`pytestmark = pytest.mark.usefixtures("x64")`); the rest of the

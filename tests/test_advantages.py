@@ -1,16 +1,16 @@
 """Advantage estimators by name (`grpo.advantages: group | rloo | reinforce_pp`, `losses.advantages.ESTIMATORS`).
 
-The estimators themselves are checked against TRL 1.16's own code over a grid in tests/test_policy_losses.py;
+The estimators themselves are checked against TRL 1.16's own code over a grid in tests/test_advantages_trl.py;
 here the NAMED estimators, as `rl.GroupRollout` calls them, are:
   rloo          = TRL 1.16 `RLOOTrainer._generate_and_score_completions` (trl/trainer/rloo_trainer.py:1682-1699:
                   leave-one-out baseline over scorable siblings, NaN -> 0) at RLOOConfig's defaults
                   (normalize_advantages=False, no reward_clip_range, beta 0: our beta stays in the loss), driven
-                  unbound through the stand-ins of test_policy_losses; float64, max |Δ| <= 1e-6.
+                  unbound through the stand-ins of trl_stand_ins; float64, max |Δ| <= 1e-6.
   reinforce_pp  TRL 1.16 has no REINFORCE++ (no advantage estimator of that name in trl/trainer/); it equals a
                 token-level transcription of OpenRLHF's `compute_advantages_and_returns` with
                 `advantage_estimator="reinforce_baseline"` (openrlhf/trainer/ppo_utils/experience_maker.py:
                 group-mean shaping, the reward at the last action token, γ = 1 returns, whitening over the
-                action mask; test_policy_losses._openrlhf_token_level), each sample weighing its completion tokens.
+                action mask; test_advantages_trl._openrlhf_token_level), each sample weighing its completion tokens.
   group         unchanged: the rollout's advantages are bit-identical to `group_advantages` on its rewards.
 The rollout checks drive `GroupRollout.rollout` with a stub sampler (fixed completions) and reward functions
 that return a fixed reward table (None = unscorable), so what reaches the rows is what TRL computes.
@@ -21,16 +21,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_policy_losses import (
-    NG,
-    WEIGHTS,
-    _close,
-    _openrlhf_token_level,
-    _reward_table,
-    _rloo_logps,
-    _trl_rloo_advantages,
-    trl,  # noqa: F401  (the fixture: TRL's trainer classes)
-)
+from test_advantages_trl import _openrlhf_token_level, _rloo_logps, _trl_rloo_advantages
+from trl_stand_ins import NG, WEIGHTS, _close, _reward_table
 
 from posttrain import config as C
 from posttrain.data.prompts import Prompt

@@ -1,14 +1,8 @@
-"""GRPO-family advantages and policy loss: parity with TRL 1.16's own trainer code (float64), and invariants.
+"""GRPO-family policy loss and sampler correction: parity with TRL 1.16's own trainer code (float64), and
+invariants. The advantages: tests/test_advantages_trl.py; the stand-ins both drive TRL with: tests/trl_stand_ins.py.
 
 TRL references are TRL's real code paths, driven through stand-ins for what they need around the
 maths (no model, no generation, no accelerator, no trainer __init__):
-  GRPO advantages  `GRPOTrainer._generate_and_score_completions(self, inputs)` unbound: `self` a
-                   SimpleNamespace with the attributes it reads, `_generate` returning fixed token ids
-                   and `_calculate_rewards` returning the fixed [N, F] reward table (NaN = a reward
-                   function that returned None). The advantages are read from its output.
-  RLOO advantages  `RLOOTrainer._generate_and_score_completions` the same way; with beta ≠ 0 its
-                   `_get_per_token_logps_and_entropies` returns fixed old / reference log-probs, so
-                   the in-reward KL penalty goes through TRL's own code too.
   Policy loss      `GRPOTrainer._compute_loss(self, model, inputs)` unbound: `self` carries the config
                    attributes, `_get_per_token_logps_and_entropies` returns a fixed leaf tensor of
                    per-token log-probs; old and reference log-probs, advantages and the token count
@@ -17,39 +11,23 @@ maths (no model, no generation, no accelerator, no trainer __init__):
 Grid: every TRL 1.16 loss_type (grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo) x importance
 sampling level (token, sequence) x epsilon_high (0.2, 0.28) x (beta, use_bias_correction_kl) in
 {(0, -), (0.04, True), (0.04, False)}; plus the two-sided δ cap, the on-policy path (no old log-probs)
-and a global token count. Advantages: scale (group, batch, none) x multi_objective_aggregation x group
-size (1, 2, 4) x with / without unscorable rows; RLOO: normalize x beta x reward_clip_range x group size.
-Differences are float64 round-off (~1e-16) except where TRL itself rounds to float32 (~1e-8): `nanstd`
-computes its Bessel factor count/(count-1) as int/int → float32, SAPO's temperatures come from
-`torch.where` on Python floats (float32), and the clip-fraction metrics average `bool.float()` tensors.
-REINFORCE++ has no TRL implementation: it is checked against a token-level transcription of
-OpenRLHF's `compute_advantages_and_returns` (outcome reward at the last token, γ = 1 returns,
-whitening over the action mask) and against its invariants.
+and a global token count. Differences are float64 round-off (~1e-16) except where TRL itself rounds to float32
+(~1e-8): SAPO's temperatures come from `torch.where` on Python floats (float32), and the clip-fraction metrics
+average `bool.float()` tensors.
 """
 
 from __future__ import annotations
 
-import functools
 import types
-import warnings
-from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from trl_stand_ins import NG, _accelerator, _close, _completion_lists, _generation_self, _metrics, _reward_table
 
-from posttrain.losses import (
-    POLICY_LOSS_TYPES,
-    group_advantages,
-    policy_loss,
-    reinforce_pp_advantages,
-    rloo_advantages,
-    token_kl,
-    weighted_rewards,
-)
+from posttrain.losses import POLICY_LOSS_TYPES, policy_loss, token_kl
 
-TOL = 1e-6
 N, T = 8, 7  # samples (2 prompts x 4), completion positions
 LENGTHS = np.array([7, 1, 4, 0, 6, 3, 7, 2])  # one sample without tokens (a masked truncated completion)
 MAX_COMPLETION_LENGTH = 10
@@ -61,265 +39,7 @@ METRIC_NAMES = {  # TRL's logged key -> ours
     "vespo/phi_seq_mean": "vespo_phi_seq_mean",
 }
 
-
 pytestmark = pytest.mark.usefixtures("x64")  # float64 in these tests only (conftest)
-
-
-@pytest.fixture(scope="module")
-def trl():
-    import torch  # test dependencies: a missing one is an error, never a silent skip
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from trl.trainer.grpo_trainer import GRPOTrainer
-        from trl.trainer.rloo_trainer import RLOOTrainer
-    return types.SimpleNamespace(torch=torch, GRPOTrainer=GRPOTrainer, RLOOTrainer=RLOOTrainer)
-
-
-def _metrics():
-    return defaultdict(lambda: defaultdict(list))
-
-
-def _accelerator(torch):
-    return types.SimpleNamespace(device=torch.device("cpu"), process_index=0, num_processes=1,
-                                 gather=lambda x: x, gather_for_metrics=lambda x: x,
-                                 reduce=lambda x, reduction="sum": x)
-
-
-def _close(ours, ref, what):
-    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
-    assert ours.shape == ref.shape, (what, ours.shape, ref.shape)
-    err = float(np.max(np.abs(ours - ref))) if ours.size else 0.0
-    assert err <= TOL, f"{what}: max |Δ| = {err:.3g}\nours {ours}\nTRL  {ref}"
-    return err
-
-
-# ------------------------------------------------------------------------------------ advantages
-
-G, NG = 4, 4  # groups x samples per group for the reward tables (N = 16)
-
-
-def _reward_table(with_nans, seed=0):
-    """[16, 2] rewards: a random group, a tied group (std 0), and, with NaNs, a group with an unscorable
-    row and a half-scored row, and a group with a single scorable row."""
-    rng = np.random.default_rng(seed)
-    r = np.round(rng.normal(0.0, 1.0, size=(G * NG, 2)), 3)
-    r[NG:2 * NG] = [0.5, -1.0]  # every sample of group 1 scores the same
-    if with_nans:
-        r[2 * NG + 1] = np.nan  # unscorable: every function returned None
-        r[2 * NG + 2, 1] = np.nan  # one function failed
-        r[3 * NG + 1:] = np.nan  # group 3: a single scorable row
-    return r
-
-
-WEIGHTS = np.array([1.0, 0.5])
-
-
-def _completion_lists(n_rows, seed=1):
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 6, size=n_rows)
-    return [[7, 8]] * n_rows, [list(range(2, 2 + int(k))) for k in lengths], lengths
-
-
-def _generation_self(trl, rewards, group_size, **attrs):
-    """What `_generate_and_score_completions` of GRPOTrainer / RLOOTrainer reads, and nothing more."""
-    torch = trl.torch
-    n_rows = rewards.shape[0]
-    return types.SimpleNamespace(
-        accelerator=_accelerator(torch), model=types.SimpleNamespace(training=True, is_gradient_checkpointing=False),
-        _tokenizer=types.SimpleNamespace(pad_token_id=0), pad_to_multiple_of=None, mask_truncated_completions=False,
-        eos_token_ids=[1], processing_class=None, chat_template_kwargs={},
-        args=types.SimpleNamespace(per_device_train_batch_size=n_rows, per_device_eval_batch_size=n_rows,
-                                   gradient_checkpointing_kwargs=None, steps_per_generation=1,
-                                   gradient_accumulation_steps=1),
-        _calculate_rewards=lambda inputs, prompts, completions, ids: torch.from_numpy(rewards.copy()),
-        num_generations=group_size, num_generations_eval=group_size,
-        reward_weights=torch.from_numpy(WEIGHTS.copy()), reward_func_names=["f0", "f1"], reward_funcs=[None, None],
-        _metrics=_metrics(), _logs={"prompt": [], "completion": [], "rewards": defaultdict(list), "advantages": [],
-                                    "extra": defaultdict(list), "images": []},
-        _pending_extra_logs={}, _pending_metrics={}, log_multimodal=False, **attrs)
-
-
-def _trl_grpo_advantages(trl, rewards, group_size, scale, aggregation):
-    prompt_ids, completion_ids, _ = _completion_lists(len(rewards))
-    completions = ["c"] * len(rewards)
-    self = _generation_self(
-        trl, rewards, group_size, environment_factories=None, tools=None, environments=[], num_iterations=1,
-        use_vllm=False, vllm_importance_sampling_correction=False, beta=0.0, ref_model=None,
-        multi_objective_aggregation=aggregation, scale_rewards=scale,
-        _generate=lambda prompts: (prompt_ids, completion_ids, None, completions, None, {}, None, None))
-    inputs = [{"prompt": f"prompt {i // group_size}"} for i in range(len(rewards))]
-    out = trl.GRPOTrainer._generate_and_score_completions(self, inputs)
-    assert out["advantages"].dtype == trl.torch.float64
-    return out["advantages"].numpy(), self._metrics["train"]
-
-
-SCALES, AGGREGATIONS = ("group", "batch", "none"), ("sum_then_normalize", "normalize_then_sum")
-GROUP_SIZES = (1, 2, 4)
-
-
-@functools.lru_cache(maxsize=None)
-def _ours_grpo_grid():
-    """Our advantages for the whole grid in ONE jit: one compile instead of one per jnp reduction, shape
-    and option (eager jnp.nan* ops each compile on first use), which keeps the grid fast."""
-    def grid(tables, w):
-        return {f"{n}/{s}/{a}/{nans}": group_advantages(tables[nans], w, n, scale=s, aggregation=a)
-                for n in GROUP_SIZES for s in SCALES for a in AGGREGATIONS for nans in (False, True)}
-
-    tables = {nans: jnp.asarray(_reward_table(nans)) for nans in (False, True)}
-    return jax.jit(grid)(tables, jnp.asarray(WEIGHTS))
-
-
-@pytest.mark.parity
-@pytest.mark.parametrize("with_nans", [False, True])
-@pytest.mark.parametrize("aggregation", AGGREGATIONS)
-@pytest.mark.parametrize("scale", SCALES)
-@pytest.mark.parametrize("group_size", GROUP_SIZES)
-def test_group_advantages_match_trl(trl, group_size, scale, aggregation, with_nans):
-    rewards = _reward_table(with_nans)
-    ref, trl_metrics = _trl_grpo_advantages(trl, rewards, group_size, scale, aggregation)
-    ours = _ours_grpo_grid()[f"{group_size}/{scale}/{aggregation}/{with_nans}"]
-    assert ours.dtype == jnp.float64 and ours.shape == (len(rewards),)
-    _close(ours, ref, f"GRPO advantages (n={group_size}, scale={scale}, {aggregation})")
-    # The logged reward statistics come from the same weighted reward.
-    w = weighted_rewards(rewards, WEIGHTS)
-    _close([np.nanmean(np.asarray(w))], trl_metrics["reward"], "mean weighted reward")
-
-
-RLOO_BETAS, RLOO_CLIPS = (0.0, 0.05), (None, (-1.0, 1.5))
-
-
-def _rloo_logps():
-    """Fixed old and reference per-token log-probs ([16, 6]) and the completion mask TRL builds."""
-    rng = np.random.default_rng(3)
-    old = -rng.uniform(0.05, 3.0, size=(G * NG, 6))
-    ref = old + rng.normal(0.0, 0.5, size=old.shape)
-    _, _, lengths = _completion_lists(G * NG)
-    return old, ref, (np.arange(old.shape[1])[None] < lengths[:, None]).astype(np.float64)
-
-
-@functools.lru_cache(maxsize=None)
-def _ours_rloo_grid():
-    """Our RLOO advantages for the whole grid in one jit (see _ours_grpo_grid)."""
-    old, ref, mask = _rloo_logps()
-    seq_kl = ((old - ref) * mask).sum(-1)  # Σ_t mask·(old - ref): TRL RLOO's k1 sequence KL
-
-    def grid(tables, w, seq_kl):
-        return {f"{n}/{norm}/{beta}/{clip}/{nans}": rloo_advantages(
-                    tables[nans], w, n, normalize=norm, reward_clip=clip,
-                    kl_penalty=None if beta == 0.0 else beta * seq_kl)
-                for n in (2, 4) for norm in (False, True) for beta in RLOO_BETAS for clip in RLOO_CLIPS
-                for nans in (False, True)}
-
-    tables = {nans: jnp.asarray(_reward_table(nans, seed=2)) for nans in (False, True)}
-    return jax.jit(grid)(tables, jnp.asarray(WEIGHTS), jnp.asarray(seq_kl))
-
-
-@pytest.mark.parity
-@pytest.mark.parametrize("with_nans", [False, True])
-@pytest.mark.parametrize("clip", RLOO_CLIPS)
-@pytest.mark.parametrize("beta", RLOO_BETAS)
-@pytest.mark.parametrize("normalize", [False, True])
-@pytest.mark.parametrize("group_size", [2, 4])
-def test_rloo_advantages_match_trl(trl, group_size, normalize, beta, clip, with_nans):
-    rewards = _reward_table(with_nans, seed=2)
-    old, ref, _ = _rloo_logps()
-    want = _trl_rloo_advantages(trl, rewards, group_size, normalize, beta, clip, old, ref)
-    ours = _ours_rloo_grid()[f"{group_size}/{normalize}/{beta}/{clip}/{with_nans}"]
-    assert ours.dtype == jnp.float64
-    _close(ours, want, f"RLOO advantages (n={group_size}, normalize={normalize}, beta={beta}, clip={clip})")
-
-
-def _trl_rloo_advantages(trl, rewards, group_size, normalize, beta, clip, old, ref):
-    torch = trl.torch
-    prompt_ids, completion_ids, _ = _completion_lists(len(rewards))
-    width = max(len(c) for c in completion_ids)
-    policy = types.SimpleNamespace(training=True, is_gradient_checkpointing=False)
-    reference = types.SimpleNamespace(training=False, is_gradient_checkpointing=False)
-
-    def logps(model, *args, **kwargs):
-        return torch.from_numpy((old if model is policy else ref)[:, :width].copy()), None, None
-
-    self = _generation_self(
-        trl, rewards, group_size, model_wrapped=None, beta=beta, ref_model=reference, reward_clip_range=clip,
-        normalize_advantages=normalize, _generate=lambda prompts: (prompt_ids, completion_ids, ["c"] * len(rewards)),
-        _get_per_token_logps_and_entropies=logps)
-    self.model = policy
-    out = trl.RLOOTrainer._generate_and_score_completions(self, [{"prompt": "p"}] * len(rewards))
-    assert out["advantages"].dtype == torch.float64
-    return out["advantages"].numpy()
-
-
-def test_rloo_is_scaled_group_centering():
-    """Without NaNs, RLOO = k/(k-1) · (r - group mean) (Kool et al. 2019)."""
-    rewards = _reward_table(False, seed=4)
-    w = rewards @ WEIGHTS
-    centred = (w.reshape(-1, NG) - w.reshape(-1, NG).mean(1, keepdims=True)).reshape(-1)
-    np.testing.assert_allclose(rloo_advantages(rewards, WEIGHTS, NG), NG / (NG - 1) * centred, rtol=0, atol=1e-12)
-
-
-def _openrlhf_token_level(rewards, group_size, baseline, lengths):
-    """OpenRLHF `compute_advantages_and_returns` (reinforce / reinforce_baseline), transcribed at token
-    level with NumPy: group-mean shaping, the reward at each sample's last action token, γ = 1 returns,
-    then whitening over every action token of the batch (var clamped at 1e-8)."""
-    r = rewards.reshape(-1, group_size)
-    if baseline:
-        r = r - r.mean(-1, keepdims=True)
-    r = r.reshape(-1)
-    width = int(lengths.max())
-    action_mask = (np.arange(width)[None] < lengths[:, None]).astype(np.float64)
-    token_rewards = np.zeros_like(action_mask)
-    token_rewards[np.arange(len(r)), lengths - 1] = r
-    returns = np.flip(np.cumsum(np.flip(token_rewards * action_mask, 1), 1), 1)
-    mean = (returns * action_mask).sum() / action_mask.sum()
-    var = (((returns - mean) ** 2) * action_mask).sum() / action_mask.sum()
-    adv = (returns - mean) / np.sqrt(max(var, 1e-8))
-    return adv[:, 0]  # the advantage is the same on every token of a sample: read the first
-
-
-@pytest.mark.parametrize("baseline", [False, True])
-def test_reinforce_pp_matches_openrlhf_token_whitening(baseline):
-    rng = np.random.default_rng(5)
-    rewards = rng.normal(size=G * NG)
-    lengths = rng.integers(1, 9, size=G * NG)
-    want = _openrlhf_token_level(rewards, NG, baseline, lengths)
-    ours = reinforce_pp_advantages(jnp.asarray(rewards), None, NG, baseline=baseline, lengths=jnp.asarray(lengths))
-    _close(ours, want, "REINFORCE++ (token-weighted whitening)")
-    # Per-sample weighting: zero mean and unit (population) std over the samples.
-    plain = np.asarray(reinforce_pp_advantages(jnp.asarray(rewards), None, NG, baseline=baseline))
-    np.testing.assert_allclose([plain.mean(), plain.std()], [0.0, 1.0], atol=1e-12)
-    if baseline:  # whitening (r - group mean) over the batch
-        c = (rewards.reshape(-1, NG) - rewards.reshape(-1, NG).mean(1, keepdims=True)).reshape(-1)
-        np.testing.assert_allclose(plain, c / c.std(), atol=1e-12)
-
-
-def test_reinforce_pp_unscorable_rows():
-    rewards = _reward_table(True, seed=6)
-    adv = np.asarray(reinforce_pp_advantages(jnp.asarray(rewards), jnp.asarray(WEIGHTS), NG))
-    unscorable = np.isnan(rewards).all(1)
-    assert np.all(np.isfinite(adv)) and np.all(adv[unscorable] == 0)
-    np.testing.assert_allclose([adv[~unscorable].mean(), adv[~unscorable].std()], [0.0, 1.0], atol=1e-12)
-
-
-def test_advantages_jit_and_errors():
-    rewards = jnp.asarray(_reward_table(True), jnp.float32)
-
-    @jax.jit
-    def every_estimator(r):
-        return (group_advantages(r, WEIGHTS, NG, scale="batch"), rloo_advantages(r, WEIGHTS, NG),
-                reinforce_pp_advantages(r, WEIGHTS, NG),
-                group_advantages(r[:, 0], None, NG), group_advantages(r[:, :1], [1.0], NG))
-
-    *outs, one_func, one_column = every_estimator(rewards)
-    for out in outs:
-        assert out.dtype == jnp.float32 and out.shape == (G * NG,) and np.all(np.isfinite(np.asarray(out)))
-    np.testing.assert_array_equal(one_func, one_column)  # [N] is one reward function
-    with pytest.raises(ValueError, match="scale"):
-        group_advantages(rewards, WEIGHTS, NG, scale="global")
-    with pytest.raises(ValueError, match="groups of group_size=3"):
-        group_advantages(rewards, WEIGHTS, 3)
-    with pytest.raises(ValueError, match="weights"):
-        rloo_advantages(rewards, [1.0, 2.0, 3.0], NG)
 
 
 # ----------------------------------------------------------------------------------- policy loss
