@@ -81,7 +81,7 @@ SHAPE = {k: _value(v) for k, v in (kv.split("=") for kv in args.shape.split(",")
 
 
 def model_config(**kw):
-    return preset(args.preset, param_dtype=args.dtype, dtype=args.dtype, **SHAPE, **kw)
+    return preset(args.preset, **{"param_dtype": args.dtype, "dtype": args.dtype, **SHAPE}, **kw)  # --shape dtype=...: compute dtype
 
 
 def build(cfg):

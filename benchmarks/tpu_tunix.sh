@@ -2,7 +2,7 @@
 # posttrain beside Tunix (google-tunix 0.1.7) on one TPU chip, one call: each side in its own process (one program
 # at a time may hold the chip), Tunix through the reference scripts of ../shared/anchors (tunix_bench.py,
 # tunix_rl_bench.py, unchanged), posttrain through benchmarks/tpu.py at the same model shape and dtype.
-#   bash benchmarks/tpu_tunix.sh OUTDIR [PART ...]      parts: train train2k sample grpo (default: train sample grpo)
+#   bash benchmarks/tpu_tunix.sh OUTDIR [PART ...]      parts: train train2k train4k sample grpo (default: train sample grpo)
 # GRPO_DTYPE=bfloat16: posttrain's GRPO side in bfloat16 (Tunix's stays float32, its only dtype).
 # Before it: scripts/tpu.sh has installed posttrain's dependencies on this machine (TPU_SITE), .whl-tunix/ holds
 # Tunix's wheels that the machine's index lacks (`bash scripts/tpu_wheels.sh tunix` where PyPI is reachable) and
@@ -14,6 +14,8 @@
 #           for the full 1.24 B model needs 20 GB), 4 x 1024 tokens, float32: Tunix's PeftTrainer and its plain
 #           nnx.value_and_grad step against posttrain's train step
 #   train2k the same at 2 x 2048 tokens (Tunix's attention builds the [T, T] scores; posttrain's is splash)
+#   train4k 1 x 4096 tokens on 2 of those layers (4 layers of Tunix's [32, 4096, 4096] float32 scores do not fit
+#           beside float32 AdamW)
 #   sample  the whole llama3-1b shape with an untied head (1.50 B), 128 prompt + 512 greedy new tokens: Tunix's
 #           Sampler at 32 rows, float32 (64 rows do not fit it), against posttrain's Sampler at 256 rows, bf16
 #   grpo    the train shape, 8 prompts x 8 samples x 128 new tokens, prompt 128, float32, beta 0, reward = the
@@ -39,6 +41,8 @@ fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$SITE:$PWD
 SMALL_T="--vocab 32768 --layers 4 --hidden 2048 --heads 32 --kv-heads 8 --mlp 8192"
 SMALL_P="num_layers=4,vocab_size=32768,tie_embeddings=false"
+TWO_T="--vocab 32768 --layers 2 --hidden 2048 --heads 32 --kv-heads 8 --mlp 8192"
+TWO_P="num_layers=2,vocab_size=32768,tie_embeddings=false"
 BIG_T="--vocab 128256 --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --mlp 8192"
 BIG_P="tie_embeddings=false"
 
@@ -66,6 +70,10 @@ for part in $PARTS; do
       tunix train2k_peft tunix_bench.py $SMALL_T --batch 2 --seq 2048 --steps 5 --reps 3 --skip gen,plain
       tunix train2k_plain tunix_bench.py $SMALL_T --batch 2 --seq 2048 --steps 5 --reps 3 --skip gen,peft
       posttrain sft:2:2048:1:none --shape "$SMALL_P" --dtype float32 ;;
+    train4k)
+      tunix train4k_peft tunix_bench.py $TWO_T --batch 1 --seq 4096 --steps 5 --reps 3 --skip gen,plain
+      tunix train4k_plain tunix_bench.py $TWO_T --batch 1 --seq 4096 --steps 5 --reps 3 --skip gen,peft
+      posttrain sft:1:4096:1:none --shape "$TWO_P" --dtype float32 ;;
     sample)
       tunix sample tunix_bench.py $BIG_T --batch 32 --prompt 128 --new 512 --reps 3 --skip peft,plain
       posttrain sample:256:128:512 --shape "$BIG_P" --dtype bfloat16 --steps 3 ;;
@@ -73,6 +81,6 @@ for part in $PARTS; do
       tunix grpo tunix_rl_bench.py $SMALL_T --batch 64 --num-generations 8 --prompt 128 --max-completion 128 \
         --steps 5 --skip dpo
       posttrain grpo:8:8:128:128:none --shape "$SMALL_P" --dtype "${GRPO_DTYPE:-float32}" --steps 4 ;;
-    *) echo "unknown part $part (train | train2k | sample | grpo)"; exit 2 ;;
+    *) echo "unknown part $part (train | train2k | train4k | sample | grpo)"; exit 2 ;;
   esac
 done

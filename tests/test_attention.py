@@ -251,12 +251,23 @@ def _train_temp_bytes(T, monkeypatch=None):
 
 def test_train_step_memory_grows_linearly(monkeypatch):
     """2048 -> 8192 tokens: temporaries grow ~4x (linear), where dense attention grows ~16x; the plan's
-    activation estimate follows the blockwise path."""
+    activation estimate follows the blockwise path.
+
+    On a TPU, XLA keeps up to ~117 MB of a program's temporaries in the chip's 128 MiB VMEM (memory space S(1)),
+    which `memory_analysis`' temporary bytes (HBM) leave out: this model's steps fit there whole up to 1 x 4096
+    (6.57 MB of HBM temporaries at 1,024, 2,048 and 4,096 tokens; 105.5 MB at 8,192, 333 MB at 16,384: TPU v5e,
+    benchmarks/tpu_memory.py, whose buffer-assignment dump shows the 117 MB VMEM allocation). So on a TPU the test
+    compares what each added token costs above that: (temp(32768) - temp(16384)) / (temp(16384) - temp(8192)) is
+    2 for memory linear in the row and 4 for quadratic."""
     from posttrain.models import ModelConfig
     from posttrain.plan import plan
 
-    small, big = _train_temp_bytes(2048), _train_temp_bytes(8192)
-    assert big / small < 5.0, (small, big)
+    if jax.default_backend() == "tpu":
+        t8, t16, t32 = (_train_temp_bytes(T) for T in (8192, 16384, 32768))
+        assert (t32 - t16) / (t16 - t8) < 2.5, (t8, t16, t32)
+    else:
+        small, big = _train_temp_bytes(2048), _train_temp_bytes(8192)
+        assert big / small < 5.0, (small, big)
     cfg = ModelConfig(vocab_size=97, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                       mlp_dim=96)
     act = [plan(cfg, batch=1, seq_len=T, mesh_shape={}, preset="dp")["activations"] for T in (2048, 8192)]
