@@ -7,7 +7,8 @@ Sections (--only NAME; scripts/tpu.sh runs a list of them, one process each):
                        B rows x T tokens per optimizer step in M micro-batches; REMAT none | full | dots
   lora:B:T:M:REMAT     the same with LoRA rank 16 on every projection (base frozen, bf16)
   sample:B:P:N         the Sampler, bf16 weights, B prompts of P tokens, N greedy new tokens: new tok/s, the decode
-                       step against the bytes it must read (weights + the mean filled KV cache) at 819 GB/s
+                       step against the bytes it must read (weights + the mean filled KV cache, at the cache's
+                       itemsize: --kv-dtype float8_e4m3fn stores it in 1 byte an element) at 819 GB/s
   grpo:P:G:L:N:REMAT   GRPO steps through the trainer's own setup(): P prompts x G samples of N new tokens,
                        prompt L (the sampler, rewards, the prefix-shared update)
 Each line: the section, its figures, the device, the first call (compile + run) and `plan` where one applies.
@@ -40,6 +41,8 @@ ap.add_argument("--profile", default=None, help="trace one more call with jax.pr
 ap.add_argument("--rollout-dtype", default=None, help="grpo: the sampler's precision (rollout.dtype), e.g. bfloat16 "
                 "beside a float32 model; the line gets the sampler/trainer mismatch KL (sampling/mismatch_kl)")
 ap.add_argument("--is-mode", default=None, help="grpo: rollout.is_mode, the mismatch correction (token_truncate, ...)")
+ap.add_argument("--kv-dtype", default=None, help="sample, grpo: the KV cache's storage dtype (Sampler kv_dtype, "
+                "rollout.kv_dtype), e.g. float8_e4m3fn; default: the compute dtype")
 ap.add_argument("--hbm-gbs", type=float, default=819.0, help="HBM bandwidth, GB/s (v5e: 819)")
 ap.add_argument("--no-clip", action="store_true", help="sft/lora: plain AdamW without the trainer's default "
                 "global-norm clipping (optim.max_grad_norm: null): the gradients need not all be live at once")
@@ -195,7 +198,7 @@ def sample(B, P, N):
 
     cfg = model_config()
     model = build(cfg)
-    sampler = Sampler(model, max_len=P + N)
+    sampler = Sampler(model, max_len=P + N, kv_dtype=args.kv_dtype)
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(3, cfg.vocab_size, P - 1).tolist() for _ in range(B)]
     params = SamplingParams(max_new_tokens=N, temperature=0.0)
@@ -209,10 +212,12 @@ def sample(B, P, N):
     s1 = statistics.median(times1)
     step = (s - s1) / (N - 1)
     w = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(args.dtype).itemsize  # K, V a token
+    kv_dt = jnp.dtype(sampler.kv_dtype or args.dtype)  # the cache's storage (--kv-dtype) or the compute dtype
+    kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dt.itemsize  # K and V of one token
     kv_mean = B * (P + N / 2) * kv_tok  # the filled cache, averaged over the decode steps
     need = (w + kv_mean) / (args.hbm_gbs * 1e9)
-    return {"batch": B, "prompt": P, "new": N, "call_s": s, "first_call_s": first, "new_tok_s": B * N / s,
+    return {"batch": B, "prompt": P, "new": N, "kv_dtype": kv_dt.name, "call_s": s, "first_call_s": first,
+            "new_tok_s": B * N / s,
             "decode_step_s_upper": s / N, "bytes_weights": w, "bytes_kv_mean": kv_mean, "bandwidth_step_s": need,
             "bandwidth_fraction_upper_bound": need / (s / N), "prefill_call_s": s1, "decode_step_s": step,
             "bandwidth_fraction": need / step,
@@ -236,7 +241,7 @@ def grpo(P, G, L, N, remat):
         "data": {"train": os.path.join(tmp, "p.jsonl"), "max_prompt_length": L},
         "grpo": {"num_generations": G, "max_new_tokens": N, "temperature": 1.0, "beta": 0.0,
                  "rewards": {"last_number": 1.0}},
-        "rollout": {"dtype": args.rollout_dtype, "is_mode": args.is_mode},
+        "rollout": {"dtype": args.rollout_dtype, "is_mode": args.is_mode, "kv_dtype": args.kv_dtype},
         "optim": {"lr": 1e-6, "schedule": "constant", "max_grad_norm": 1.0},
         "train": {"steps": args.steps + 1, "batch_size": P}, "run_dir": os.path.join(tmp, "run")})
     model = build(cfg)
@@ -282,6 +287,7 @@ def grpo(P, G, L, N, remat):
             "update_s": u, "update_tok_s": tokens / u, "step_times": [round(t, 3) for t in times],
             "update_model_flops_s": flops_per_token(cfg, trainer.length) * tokens / u,
             "rollout_dtype": args.rollout_dtype or args.dtype, "is_mode": args.is_mode,
+            "kv_dtype": jnp.dtype(parts.batches.sampler.kv_dtype or args.rollout_dtype or args.dtype).name,
             "mismatch_kl": statistics.median(kls) if kls else None, "mismatch_kl_steps": kls,
             "plan": {k: p[k] for k in (*KEYS, "total")}, "xla_memory": mem,
             "plan_over_xla": p["total"] / mem["peak"] if "peak" in mem else None}

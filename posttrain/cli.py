@@ -22,6 +22,7 @@ def _generate(args) -> None:
     import jax
 
     from posttrain.generate import Sampler, SamplingParams
+    from posttrain.generate.sampling import kv_cache_dtype
     from posttrain.models import from_pretrained
     from posttrain.models.hf import canonical_dtype
     from posttrain.tokenizer import Tokenizer
@@ -29,6 +30,7 @@ def _generate(args) -> None:
     if not args.prompt.strip():
         raise PosttrainError("--prompt is empty; give the text to continue")
     dtype = canonical_dtype(args.dtype, "--dtype")  # fp16, bf16, half, ... accepted
+    kv_cache_dtype(args.kv_dtype, "--kv-dtype")  # a bad name fails before the model loads
     tok = Tokenizer.from_pretrained(args.model)
     # read before the model loads: a bad file fails fast, naming itself
     if args.image:
@@ -47,7 +49,7 @@ def _generate(args) -> None:
         ids = images.expand_ids(ids)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, n=args.n, stop_ids=tok.eos_ids)
-    sampler = Sampler(model, max_len=len(ids) + args.max_new_tokens)
+    sampler = Sampler(model, max_len=len(ids) + args.max_new_tokens, kv_dtype=args.kv_dtype)
     out = sampler.generate([ids], params, key=jax.random.key(args.seed),
                            images=None if images is None else [images.inputs])
     for i, text in enumerate(out.texts(tok)):
@@ -239,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="float32", help="parameter dtype: float32 (fp32) | bfloat16 (bf16) | "
                    "float16 (fp16, half)")
+    g.add_argument("--kv-dtype", default=None, help="the KV cache's storage dtype: float8_e4m3fn | float8_e5m2 (half "
+                   "a bfloat16 cache's bytes) | bfloat16 | float16 | float32; default: the compute dtype")
     g.add_argument("--text-only", action="store_true", help="a multimodal Gemma 4 folder: its text model only")
     g.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image for a Qwen3-VL or Gemma 3 folder (repeatable): one per <image> in the prompt, "

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.errors import PosttrainError
-from posttrain.generate.sampling import SamplingParams, select
+from posttrain.generate.sampling import SamplingParams, kv_cache_dtype, select
 from posttrain.generate.shapes import (  # noqa: F401 (re-exported)
     BLOCK_STEP,
     SLOT_STEP,
@@ -80,7 +80,7 @@ class Turn:
 class Sampler:
     def __init__(self, model: Transformer, *, max_len: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, pad_id: int = 0, mesh=None, rules=None,
-                 dtype: Optional[str] = None, own_mesh: bool = False):
+                 dtype: Optional[str] = None, own_mesh: bool = False, kv_dtype: Optional[str] = None):
         """max_len: the longest prompt + new tokens a call may ask for (the cache size bound).
 
         mesh / rules: run under a device mesh (the model's logical sharding constraints apply).
@@ -88,7 +88,9 @@ class Sampler:
         cast on every `update` (a copy in that dtype), activations and the KV cache are in it; its
         log-probs then differ from the trainer's (see `losses.sampler_correction`). None: the model's own.
         own_mesh: `mesh` is the sampler's own devices, not the model's: the weights are copied there
-        (replicated, device to device) now and on every `update`."""
+        (replicated, device to device) now and on every `update`.
+        kv_dtype: the KV cache's storage dtype (sampling.KV_DTYPES, e.g. "float8_e4m3fn": half a bfloat16 cache's
+        bytes, so a decode step reads less); None: the compute dtype. Not the trainer's log-probs then either."""
         self.mesh, self.rules = mesh, rules
         self.dtype = None if dtype is None or jnp.dtype(dtype) == jnp.dtype(model.cfg.dtype) else jnp.dtype(dtype)
         if self.dtype is not None:
@@ -96,6 +98,8 @@ class Sampler:
             self._cast = jax.jit(lambda st: jax.tree.map(
                 lambda x: x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, st))
         self.own_mesh = own_mesh and mesh is not None
+        kv = kv_cache_dtype(kv_dtype, "Sampler kv_dtype")
+        self.kv_dtype = None if kv is None or kv == jnp.dtype(model.cfg.dtype) else kv  # None: the compute dtype
         self.cfg = model.cfg
         # identical layers run as one lax.scan (models/scan.py): the cache is then [L, B, K, S, H] and each call
         # stacks the weights once (`layer_stack`), not every decode step
@@ -158,7 +162,7 @@ class Sampler:
         (generate/vision.py's ImagePrefill: embeds and deepstack with positions [3, B, P], or embeds and image_ids)."""
         self.traces["prefill"] += 1
         model, head = self._merge(state)
-        cache = KVCache.init(self.cfg, tokens.shape[0], tokens.shape[1], stacked=self._scan)
+        cache = KVCache.init(self.cfg, tokens.shape[0], tokens.shape[1], stacked=self._scan, kv_dtype=self.kv_dtype)
         out = model(tokens, positions, cache=cache, segment_ids=segments, return_hidden=True,
                     return_logits=False, return_router_logits=record, **(extras or {}))
         logits = model.unembed(out.hidden[-1][:, -1:], head)[:, 0]

@@ -88,3 +88,20 @@ def select(logits, key, params: SamplingParams):
     tok = jax.random.categorical(key, truncate(scaled, params.top_k, params.top_p), axis=-1).astype(jnp.int32)
     logp = jax.nn.log_softmax(scaled, axis=-1)
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
+
+
+# The KV cache's storage dtypes (`Sampler(kv_dtype=...)`, `rollout.kv_dtype`, `posttrain generate --kv-dtype`):
+# float8 halves a bfloat16 cache's bytes (e4m3: 3 mantissa bits, up to 448; e5m2: 2 bits, up to 57344), written
+# saturated (`attention.store`) and cast back where attention reads it; the wider ones store keys and values at
+# another precision than the compute dtype.
+KV_DTYPES = ("float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "float32")
+
+
+def kv_cache_dtype(name, where: str = "kv_dtype"):
+    """The storage dtype named `name` (None: the compute dtype's); a PosttrainError naming `where` and the choices."""
+    if name is None:
+        return None
+    if str(name) not in KV_DTYPES:
+        raise PosttrainError(f"{where}: unknown KV cache dtype {name!r}; choose one of {', '.join(KV_DTYPES)} "
+                             "(or leave it unset for the compute dtype)")
+    return jnp.dtype(str(name))

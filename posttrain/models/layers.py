@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.models.attention import attention, pack_heads
+from posttrain.models.attention import attention, pack_heads, store
 from posttrain.models.config import ModelConfig, RopeConfig
 from posttrain.sharding import constrain, param
 
@@ -223,7 +223,7 @@ def cache_write(cache, x, write_index, layer=None):
     pack_heads on a TPU), or of layer `layer` of stacked caches [L, B, K', S, P*H] (scanned layers), in place."""
     P = cache.shape[-1] // x.shape[-1]
     zero = jnp.zeros((), jnp.int32)
-    x = pack_heads(x.astype(cache.dtype), P)
+    x = pack_heads(store(x, cache.dtype), P)  # a float8 cache saturates (attention.store)
     if layer is None:
         return jax.lax.dynamic_update_slice(cache, x, (zero, zero, write_index, zero))
     return jax.lax.dynamic_update_slice(cache, x[None], (layer, zero, zero, write_index, zero))

@@ -151,10 +151,13 @@ class KVCache:
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, size: int, dtype=None, pack: Optional[int] = None,
-             stacked: bool = False) -> "KVCache":
+             stacked: bool = False, kv_dtype=None) -> "KVCache":
         """pack: heads a row holds (attention.pack_heads); None: attention.kv_pack's choice for the backend (2
-        for 64-wide heads on a TPU, else 1). stacked: k and v as [L, ...] arrays (uniform layers: scan.uniform)."""
+        for 64-wide heads on a TPU, else 1). stacked: k and v as [L, ...] arrays (uniform layers: scan.uniform).
+        kv_dtype: the keys' and values' storage dtype (e.g. float8_e4m3fn: 1 byte an element; written through
+        attention.store, cast back to the compute dtype where attention reads them); None: `dtype`."""
         dtype = jnp.dtype(dtype or cfg.dtype)
+        kv_dt = jnp.dtype(kv_dtype or dtype)
         lin = [cfg.layer_type(i) == "linear" for i in range(cfg.cache_layers)]
 
         def shape(i):
@@ -173,9 +176,9 @@ class KVCache:
             for x in lin) if any(lin) else ()
         if stacked:
             assert scan.uniform(cfg), "a stacked cache is for uniform layers (models/scan.py)"
-            k, v = (jnp.zeros((len(shapes), *shapes[0]), dtype) for _ in range(2))
+            k, v = (jnp.zeros((len(shapes), *shapes[0]), kv_dt) for _ in range(2))
         else:
-            k, v = (tuple(jnp.zeros(s, dtype) for s in shapes) for _ in range(2))
+            k, v = (tuple(jnp.zeros(s, kv_dt) for s in shapes) for _ in range(2))
         return cls(k, v, jnp.full((batch, size), -1, jnp.int32), jnp.zeros((), jnp.int32), linear=states)
 
     def map_kv(self, fn) -> "KVCache":

@@ -14,7 +14,8 @@ For the batch source:
   - `sampling_params(**extra)`: the section's SamplingParams (n = num_generations, the tokenizer's stops);
   - `rollout_kwargs()`: the GroupRollout keywords every rollout shares (prompts, sampling, rewards, seed).
 A recipe names what its loss can take of the rollout section (`rollout_options`): `devices` always;
-`dtype` (a sampler in another precision), `is_mode` (the sampler/trainer mismatch correction) and
+`dtype` (a sampler in another precision), `kv_dtype` (its KV cache stored in another: float8),
+`is_mode` (the sampler/trainer mismatch correction) and
 `max_staleness` (off-policy batches) where its loss supports them; the others are refused in `check()`.
 
 A new RL recipe is a config (an RL section + `rollout:`), `make_loss()` and `build()` (tests/
@@ -36,7 +37,8 @@ from posttrain.recipes.recipe import Recipe, group_rows
 from posttrain.rewards.registry import reward_functions
 from posttrain.sharding import make_mesh, preset_rules
 
-ROLLOUT_OPTIONS = ("dtype", "is_mode", "max_staleness")  # the rollout section's keys a recipe may not support
+# the rollout section's keys a recipe may not support
+ROLLOUT_OPTIONS = ("dtype", "kv_dtype", "is_mode", "max_staleness")
 
 
 def round_up(x: int, to: int = 8) -> int:
@@ -105,7 +107,8 @@ class RLRecipe(Recipe):
         mesh, rules = (make_mesh("dp", self.sampler_devices), preset_rules("dp")) if own else (self.mesh, self.rules)
         return Sampler(self.model if model is None else model, max_len=c.data.max_prompt_length + self.width,
                        pad_id=self.tokenizer.pad_id, mesh=mesh, rules=rules, buckets=(self.longest,),
-                       dtype=rollout.dtype if rollout is not None else None, own_mesh=own)
+                       dtype=rollout.dtype if rollout is not None else None, own_mesh=own,
+                       kv_dtype=rollout.kv_dtype if rollout is not None else None)
 
     def sampling_params(self, **extra) -> SamplingParams:
         s = self.section

@@ -182,7 +182,8 @@ class GroupRollout:
             batch["routes"] = group_routes(group, out, n, self.length)
         if self.vision is not None:  # image prompts: M-RoPE positions, the prompts' patch tables
             add_image_fields(batch, group, self.vision, self.patches)
-        if self.sampler.dtype is not None:  # another precision than the trainer's: not the old policy's log-probs
+        # another precision than the trainer's (or a KV cache stored in one): not the old policy's log-probs
+        if self.sampler.dtype is not None or getattr(self.sampler, "kv_dtype", None) is not None:
             batch["sampler_logps"] = batch.pop("old_logps")
         return batch
 

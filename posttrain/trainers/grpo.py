@@ -97,17 +97,20 @@ class GRPOConfig(C.RunConfig):
     run_dir: str = "runs/grpo"  # folder for checkpoints, logs and the saved config
 
     def __post_init__(self):
-        own = self.rollout.dtype in (None, self.model.compute_dtype or self.model.dtype)  # exact log-probs
+        compute = self.model.compute_dtype or self.model.dtype
+        own = self.rollout.dtype in (None, compute)  # exact log-probs
+        own = own and self.rollout.kv_dtype in (None, self.rollout.dtype or compute)  # a cache stored in another dtype
         if not own and (self.env.enabled or self.grpo.num_iterations > 1):
-            raise PosttrainError("rollout.dtype other than model.dtype needs grpo.num_iterations=1 and "
-                                 "env.enabled=false "
+            raise PosttrainError("rollout.dtype other than model.dtype (or a rollout.kv_dtype other than it) needs "
+                                 "grpo.num_iterations=1 and env.enabled=false "
                                  "for now (the old policy is then the trainer's own); change one of them")
         if self.rollout.max_staleness and (self.env.enabled or self.grpo.num_iterations > 1 or not own):
             raise PosttrainError("rollout.max_staleness needs grpo.num_iterations=1, env.enabled=false and the model's "
                                  "own sampling precision for now; change one of them")
         if self.rollout.is_mode and own:
             raise PosttrainError(f"rollout.is_mode={self.rollout.is_mode} corrects a sampler in another precision, but "
-                                 "rollout.dtype is the model's (its log-probs are exact); set rollout.dtype or drop it")
+                                 "rollout.dtype is the model's (its log-probs are exact); set rollout.dtype "
+                                 "(or rollout.kv_dtype) or drop it")
         if self.env.enabled:
             if self.grpo.rewards != {"math_answer": 1.0}:
                 raise PosttrainError("grpo.rewards is not used with env.enabled (env.verifier scores each episode); "
@@ -122,7 +125,8 @@ class GRPOTrainer(RLRecipe):
     help = "GRPO-family RL with reward functions from a YAML config"
     config_class = GRPOConfig
 
-    rollout_options = ("dtype", "is_mode", "max_staleness")  # policy_loss corrects another sampler's log-probs
+    # policy_loss corrects another sampler's log-probs
+    rollout_options = ("dtype", "kv_dtype", "is_mode", "max_staleness")
     takes_images = True  # image prompts with a Qwen3-VL or Gemma 3 folder (rl/images.py; tower frozen unless
     # model.train_vision)
 

@@ -69,7 +69,7 @@ class OnlineDPOTrainer(RLRecipe):
     help = "online DPO: pairs sampled from the policy, judged by reward functions, DPO loss"
     config_class = OnlineDPOConfig
 
-    rollout_options = ("dtype",)  # the loss recomputes both log-probs: the sampler's precision is free
+    rollout_options = ("dtype", "kv_dtype")  # the loss recomputes both log-probs: the sampler's precision is free
 
     def make_loss(self):
         o = self.config.online_dpo
