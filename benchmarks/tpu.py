@@ -7,8 +7,8 @@ Sections (--only NAME; scripts/tpu.sh runs a list of them, one process each):
                        B rows x T tokens per optimizer step in M micro-batches; REMAT none | full | dots
   lora:B:T:M:REMAT     the same with LoRA rank 16 on every projection (base frozen, bf16)
   sample:B:P:N         the Sampler, bf16 weights, B prompts of P tokens, N greedy new tokens: new tok/s, the decode
-                       step against the bytes it must read (weights + the mean filled KV cache, at the cache's
-                       itemsize: --kv-dtype float8_e4m3fn stores it in 1 byte an element) at 819 GB/s
+                       step against the bytes it must read (weights + the mean filled KV cache, as stored:
+                       --kv-dtype float8_e4m3fn or int8 holds it in 1 byte an element) at 819 GB/s
   grpo:P:G:L:N:REMAT   GRPO steps through the trainer's own setup(): P prompts x G samples of N new tokens,
                        prompt L (the sampler, rewards, the prefix-shared update)
 Each line: the section, its figures, the device, the first call (compile + run) and `plan` where one applies.
@@ -195,6 +195,7 @@ def xla_memory(jitted, *example):
 
 def sample(B, P, N):
     from posttrain.generate import Sampler, SamplingParams
+    from posttrain.models.transformer import KVCache
 
     cfg = model_config()
     model = build(cfg)
@@ -213,7 +214,9 @@ def sample(B, P, N):
     step = (s - s1) / (N - 1)
     w = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     kv_dt = jnp.dtype(sampler.kv_dtype or args.dtype)  # the cache's storage (--kv-dtype) or the compute dtype
-    kv_tok = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_dt.itemsize  # K and V of one token
+    # K and V of one token as the sampler's cache holds them (its layout, an int8 cache's scales included)
+    one = jax.eval_shape(lambda: KVCache.init(sampler.cfg, 1, 1, kv_dtype=sampler.kv_dtype, stacked=sampler._scan))
+    kv_tok = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((one.k, one.v)))
     kv_mean = B * (P + N / 2) * kv_tok  # the filled cache, averaged over the decode steps
     need = (w + kv_mean) / (args.hbm_gbs * 1e9)
     return {"batch": B, "prompt": P, "new": N, "kv_dtype": kv_dt.name, "call_s": s, "first_call_s": first,

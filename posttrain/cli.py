@@ -241,8 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="float32", help="parameter dtype: float32 (fp32) | bfloat16 (bf16) | "
                    "float16 (fp16, half)")
-    g.add_argument("--kv-dtype", default=None, help="the KV cache's storage dtype: float8_e4m3fn | float8_e5m2 (half "
-                   "a bfloat16 cache's bytes) | bfloat16 | float16 | float32; default: the compute dtype")
+    g.add_argument("--kv-dtype", default=None, help="the KV cache's storage dtype: float8_e4m3fn | float8_e5m2 | int8 "
+                   "(half a bfloat16 cache's bytes; int8 with a scale a slot) | bfloat16 | float16 | float32; "
+                   "default: the compute dtype")
     g.add_argument("--text-only", action="store_true", help="a multimodal Gemma 4 folder: its text model only")
     g.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image for a Qwen3-VL or Gemma 3 folder (repeatable): one per <image> in the prompt, "

@@ -150,8 +150,8 @@ SLOW_TESTS = {
     "test_kv_pack.py": {"test_sampler_with_a_packed_cache_equals_the_plain_one"},
     # 20-50 s each (a 70-token greedy sampler and transformers twice, a multi-turn, a GRPO setup): the edit loop keeps
     # the float8 write's saturation, the names refused and the rollout checks
-    "test_kv_dtype.py": {"test_a_float8_cache_equals_transformers_with_a_rounded_cache",
-                         "test_multi_turn_keeps_the_float8_cache", "test_grpo_samples_with_a_float8_cache"},
+    "test_kv_dtype.py": {"test_an_8_bit_cache_equals_transformers_with_a_rounded_cache",
+                         "test_multi_turn_keeps_the_8_bit_cache", "test_grpo_samples_with_a_float8_cache"},
     "test_hf_config_json.py": {"test_loading_a_model_folder_imports_no_torch"},  # a subprocess; make package runs it
     # Vision-language and scanned layers (make test-fast 5:02 with them, 2:58 before): the edit loop keeps each
     # family's logits against transformers, the image encodings against the processors, the image errors and the

@@ -90,11 +90,11 @@ def select(logits, key, params: SamplingParams):
     return tok, jnp.take_along_axis(logp, tok[:, None], axis=-1)[:, 0]
 
 
-# The KV cache's storage dtypes (`Sampler(kv_dtype=...)`, `rollout.kv_dtype`, `posttrain generate --kv-dtype`):
-# float8 halves a bfloat16 cache's bytes (e4m3: 3 mantissa bits, up to 448; e5m2: 2 bits, up to 57344), written
-# saturated (`attention.store`) and cast back where attention reads it; the wider ones store keys and values at
-# another precision than the compute dtype.
-KV_DTYPES = ("float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "float32")
+# The KV cache's storage dtypes (`Sampler(kv_dtype=...)`, `rollout.kv_dtype`, `posttrain generate --kv-dtype`;
+# models/kv_store.py): float8 halves a bfloat16 cache's bytes (e4m3: 3 mantissa bits, up to 448; e5m2: 2 bits, up to
+# 57344), written saturated, cast back where attention reads it; int8 too, with a float32 scale per slot of a cache
+# row (amax / 127); the wider ones store keys and values at another precision than the compute dtype.
+KV_DTYPES = ("float8_e4m3fn", "float8_e5m2", "int8", "bfloat16", "float16", "float32")
 
 
 def kv_cache_dtype(name, where: str = "kv_dtype"):

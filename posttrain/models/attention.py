@@ -138,17 +138,6 @@ def kv_pack(head_dim: int, kv_heads: int, backend: Optional[str] = None) -> int:
     return 128 // head_dim
 
 
-def store(x, dtype):
-    """x cast to a KV cache's storage dtype: a float8 cache (`Sampler(kv_dtype=...)`) saturates at the format's
-    largest finite value first (XLA's convert makes NaN of what overflows float8_e4m3fn, which has no inf), as
-    vLLM's fp8 cache does; any other dtype is a plain cast. Attention casts the cache back where it reads it."""
-    dtype = jnp.dtype(dtype)
-    if dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating) and x.dtype != dtype:
-        big = float(jnp.finfo(dtype).max)
-        x = jnp.clip(x, -big, big)
-    return x.astype(dtype)
-
-
 def pack_heads(x, p: int):
     """[B, K, S, H] -> [B, K/p, S, p*H]: heads k*p .. k*p + p - 1 side by side in row k."""
     if p == 1:

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from posttrain.models.attention import attention, pack_heads, store
+from posttrain.models import kv_store
+from posttrain.models.attention import attention, pack_heads
 from posttrain.models.config import ModelConfig, RopeConfig
 from posttrain.sharding import constrain, param
 
@@ -223,10 +224,10 @@ def cache_write(cache, x, write_index, layer=None):
     pack_heads on a TPU), or of layer `layer` of stacked caches [L, B, K', S, P*H] (scanned layers), in place."""
     P = cache.shape[-1] // x.shape[-1]
     zero = jnp.zeros((), jnp.int32)
-    x = pack_heads(store(x, cache.dtype), P)  # a float8 cache saturates (attention.store)
-    if layer is None:
-        return jax.lax.dynamic_update_slice(cache, x, (zero, zero, write_index, zero))
-    return jax.lax.dynamic_update_slice(cache, x[None], (layer, zero, zero, write_index, zero))
+    x = pack_heads(x, P)
+    if layer is None:  # converted to the cache's storage (models/kv_store.py: a cast, float8 saturated, or int8)
+        return kv_store.write(cache, x, (zero, zero, write_index, zero))
+    return kv_store.write(cache, x[None], (layer, zero, zero, write_index, zero))
 
 
 def stacked_cache_write(kv, k, v, write_index):
@@ -236,7 +237,8 @@ def stacked_cache_write(kv, k, v, write_index):
     keys and values to attend)."""
     ks, vs, layer = kv
     ks, vs = cache_write(ks, k, write_index, layer), cache_write(vs, v, write_index, layer)
-    one = functools.partial(jax.lax.dynamic_index_in_dim, index=layer, axis=0, keepdims=False)
+    one = functools.partial(jax.tree.map, functools.partial(jax.lax.dynamic_index_in_dim, index=layer, axis=0,
+                                                           keepdims=False))
     return (ks, vs), one(ks), one(vs)
 
 
@@ -311,6 +313,7 @@ class Attention(nnx.Module):
                 kv = (k, v)
         else:
             (k, v), kv = shared, None
+        k, v = kv_store.load(k, dt), kv_store.load(v, dt)  # an int8 cache dequantized (any other: attention casts)
         out, probs = attention(q, k, v, layout, window=self.window, scale=self.scale, cap=self.attn_softcap,
                                return_probs=return_attn, sinks=None if self.sinks is None else self.sinks[...])
         if self.gated:

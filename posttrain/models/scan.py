@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posttrain.models import kv_store
 from posttrain.models.config import ModelConfig
 from posttrain.models.layers import Buffer
 
@@ -125,10 +126,10 @@ def forward(model, stacked: LayerStack, x, ropes, layout, cache, return_hidden, 
     if cache is not None:  # a per-layer cache is stacked for the scan and split after it
         kv, write = (cache.k, cache.v), cache.index
         if isinstance(cache.k, tuple):
-            kv = (jnp.stack(cache.k), jnp.stack(cache.v))
+            kv = (kv_store.stack(cache.k), kv_store.stack(cache.v))
     cfg = model.cfg
     remat = policies[cfg.remat_policy] if cfg.remat and cache is None else None
     y, kv, ys = run(stacked, x, ropes[model.layers[0].rope], layout, kv, write, remat=remat, hidden=return_hidden)
     if cache is not None and isinstance(cache.k, tuple):
-        kv = (tuple(kv[0]), tuple(kv[1]))
+        kv = (kv_store.unstack(kv[0]), kv_store.unstack(kv[1]))
     return y, kv, [x, *ys] if return_hidden else [x]

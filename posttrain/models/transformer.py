@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posttrain.models import moe, scan
+from posttrain.models import kv_store, moe, scan
 from posttrain.models.attention import Layout, kv_pack, softcap
 from posttrain.models.config import ModelConfig
 from posttrain.models.deltanet import GatedDeltaNet, LinearState
@@ -154,8 +154,8 @@ class KVCache:
              stacked: bool = False, kv_dtype=None) -> "KVCache":
         """pack: heads a row holds (attention.pack_heads); None: attention.kv_pack's choice for the backend (2
         for 64-wide heads on a TPU, else 1). stacked: k and v as [L, ...] arrays (uniform layers: scan.uniform).
-        kv_dtype: the keys' and values' storage dtype (e.g. float8_e4m3fn: 1 byte an element; written through
-        attention.store, cast back to the compute dtype where attention reads them); None: `dtype`."""
+        kv_dtype: the keys' and values' storage dtype (e.g. float8_e4m3fn: 1 byte an element; int8: a kv_store.QuantKV
+        of values and scales), converted as models/kv_store.py says; None: `dtype`."""
         dtype = jnp.dtype(dtype or cfg.dtype)
         kv_dt = jnp.dtype(kv_dtype or dtype)
         lin = [cfg.layer_type(i) == "linear" for i in range(cfg.cache_layers)]
@@ -176,17 +176,20 @@ class KVCache:
             for x in lin) if any(lin) else ()
         if stacked:
             assert scan.uniform(cfg), "a stacked cache is for uniform layers (models/scan.py)"
-            k, v = (jnp.zeros((len(shapes), *shapes[0]), kv_dt) for _ in range(2))
+            k, v = (kv_store.empty((len(shapes), *shapes[0]), kv_dt) for _ in range(2))
         else:
-            k, v = (tuple(jnp.zeros(s, kv_dt) for s in shapes) for _ in range(2))
+            k, v = (tuple(kv_store.empty(s, kv_dt) for s in shapes) for _ in range(2))
         return cls(k, v, jnp.full((batch, size), -1, jnp.int32), jnp.zeros((), jnp.int32), linear=states)
 
     def map_kv(self, fn) -> "KVCache":
         """The cache with k and v replaced by fn(x, a) of each layer's keys or values, a = x's batch axis (1 for a
-        stacked [L, B, ...] cache, else 0)."""
+        stacked [L, B, ...] cache, else 0); an int8 cache's values and scales alike (their first axes agree)."""
+        def each(x, a):
+            return jax.tree.map(lambda y: fn(y, a), x)
+
         if isinstance(self.k, tuple):
-            return dataclasses.replace(self, k=tuple(fn(x, 0) for x in self.k), v=tuple(fn(x, 0) for x in self.v))
-        return dataclasses.replace(self, k=fn(self.k, 1), v=fn(self.v, 1))
+            return dataclasses.replace(self, k=tuple(each(x, 0) for x in self.k), v=tuple(each(x, 0) for x in self.v))
+        return dataclasses.replace(self, k=each(self.k, 1), v=each(self.v, 1))
 
     @property
     def size(self) -> int:
