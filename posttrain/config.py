@@ -315,7 +315,7 @@ class RolloutSection(Section):
     key = "rollout"
 
     dtype: Literal["float32", "bfloat16"] | None = None  # sampling precision; None = the model's (exact log-probs)
-    # the sampler's KV cache storage (generate.sampling.KV_DTYPES): float8 halves its bytes (a decode step reads
+    # the sampler's KV cache storage (generate.sampling.KV_DTYPES): float8 / int8 halve its bytes (a decode step reads
     # less); its log-probs are then not the trainer's, as with dtype; None = the sampling precision's
     kv_dtype: Literal["float8_e4m3fn", "float8_e5m2", "int8", "bfloat16", "float16", "float32"] | None = None
     # importance-sampling correction of the sampler/trainer mismatch (TRL's vllm_importance_sampling_mode):

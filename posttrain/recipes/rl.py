@@ -14,7 +14,7 @@ For the batch source:
   - `sampling_params(**extra)`: the section's SamplingParams (n = num_generations, the tokenizer's stops);
   - `rollout_kwargs()`: the GroupRollout keywords every rollout shares (prompts, sampling, rewards, seed).
 A recipe names what its loss can take of the rollout section (`rollout_options`): `devices` always;
-`dtype` (a sampler in another precision), `kv_dtype` (its KV cache stored in another: float8),
+`dtype` (a sampler in another precision), `kv_dtype` (its KV cache stored in another: float8, int8),
 `is_mode` (the sampler/trainer mismatch correction) and
 `max_staleness` (off-policy batches) where its loss supports them; the others are refused in `check()`.
 
