@@ -67,11 +67,14 @@ def rl_data(tmp_path, tests: bool = False):
     return addition.write_jsonl(rows, str(tmp_path / "prompts.jsonl")), [(r["prompt"], r["completion"]) for r in evals]
 
 
-def lora_grpo(tmp_path, model, prompts, *, steps: int, batch_size: int, log_every: int) -> GRPOTrainer:
-    """LoRA rank 8 GRPO, 8 samples of 4 tokens at temperature 0.7, lr 1e-3, the exact-answer reward."""
+def lora_grpo(tmp_path, model, prompts, *, steps: int, batch_size: int, log_every: int, seed: int = 0,
+              advantages: str = "group") -> GRPOTrainer:
+    """LoRA rank 8 GRPO, 8 samples of 4 tokens at temperature 0.7, lr 1e-3, the exact-answer reward; `seed` is
+    data.seed (the prompt stream's order and the rollouts' sampling keys), `advantages` the estimator."""
     return GRPOTrainer(C.from_dict(GRPOConfig, {
-        "model": {"path": model}, "data": {"train": prompts, "max_prompt_length": 8},
-        "grpo": {"num_generations": 8, "max_new_tokens": 4, "temperature": 0.7, "rewards": {"last_number": 1.0}},
+        "model": {"path": model}, "data": {"train": prompts, "max_prompt_length": 8, "seed": seed},
+        "grpo": {"num_generations": 8, "max_new_tokens": 4, "temperature": 0.7, "rewards": {"last_number": 1.0},
+                 "advantages": advantages},
         "lora": {"enabled": True, "rank": 8}, "optim": {"lr": 1e-3, "schedule": "constant"},
         "train": {"steps": steps, "batch_size": batch_size, "log_every": log_every}, "metrics": {"sinks": ["jsonl"]},
         "run_dir": str(tmp_path / "run")}), progress=False)
@@ -130,10 +133,11 @@ def test_lora_grpo_learns_from_code_run_in_the_sandbox(tmp_path, sft_addition):
     """The GRPO code-reward learning test: each sample becomes a program (`x = <completion>`, the prompt's
     statement completed by the model, HumanEval style) that `code_tests` runs behind posttrain.sandbox's OS
     boundary (bubblewrap; `make test` installs it) against the row's `assert x == <answer>`; LoRA GRPO on
-    that reward alone raises the sampled reward and the greedy held-out accuracy. Every distinct program of every
-    step is a sandboxed process (of 48 steps x 8 prompts x 8 samples = 3,072; a sample that repeats its group's
-    program gets that program's verdict: each run costs ~0.1-0.5 s of wall time, mostly the sandbox's set-up, and
-    the test took 200 s when every sample ran), so the run is shorter than the
+    that reward alone raises the sampled reward and the greedy held-out accuracy. Every distinct program of the
+    run is a sandboxed process (1,220 of 48 steps x 8 prompts x 8 samples = 3,072; a sample that repeats a program
+    of its group or of an earlier step gets that program's verdict: each run costs ~0.1-0.5 s of wall time, mostly
+    the sandbox's set-up, and the test took 200 s when every sample ran; 1,681 when only a step's repeats were
+    shared, with the same rewards, curve and accuracies), so the run is shorter than the
     exact-answer test above; on the first rollout the sandboxed verdict equals the plain check (reply ==
     answer) on every digit-only reply (a sandbox that fails a right program, or passes a wrong one, breaks it).
     Seen on an AMD EPYC (AVX2): greedy 0.450 -> 0.655, sampled reward (first / last 12 steps) 0.229 -> 0.387. On
@@ -148,14 +152,17 @@ def test_lora_grpo_learns_from_code_run_in_the_sandbox(tmp_path, sft_addition):
     code = CodeTests("tests", timeout_s=5.0)
     checked, ran = [], []
 
+    known = {}  # (program, tests) -> the sandbox's verdict, over the whole run
+
     def answer_as_code(prompts, completions, tests, answer, **_):
-        # each distinct (program, tests) of a rollout runs once in the sandbox and its verdict scores every sample
-        # that wrote it (a group's samples repeat one another: a program's verdict does not depend on who wrote it)
+        # each distinct (program, tests) of the run runs once in the sandbox and its verdict scores every sample
+        # that wrote it, in this rollout or a later one (a group's samples repeat one another, and prompts with the
+        # same answer share their tests: a program's verdict depends on neither who wrote it nor when)
         programs = [(f"x = {c.strip()}", t) for c, t in zip(completions, tests)]
-        distinct = list(dict.fromkeys(programs))
-        verdicts = code([None] * len(distinct), [p for p, _ in distinct], tests=[t for _, t in distinct])
-        scores = [dict(zip(distinct, verdicts))[p] for p in programs]
-        ran.append((len(distinct), len(programs)))
+        new = [p for p in dict.fromkeys(programs) if p not in known]
+        known.update(zip(new, code([None] * len(new), [p for p, _ in new], tests=[t for _, t in new])))
+        scores = [known[p] for p in programs]
+        ran.append((len(new), len(programs)))
         if not checked:  # the first rollout: the sandboxed verdict against the plain check, on digit-only replies
             checked.append([(s, float(c.strip() == a)) for s, c, a in zip(scores, completions, answer)
                             if c.strip().isdigit()])
@@ -258,13 +265,7 @@ def test_lora_rloo_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_addition
     120 steps instead of 240, and the estimator). It starts from this file's shared SFT model (it built its own in
     tests/test_advantages_learning.py before: the same function and seed, so the same start, ~45-60 s more)."""
     prompts, pairs = rl_data(tmp_path)
-    trainer = GRPOTrainer(C.from_dict(GRPOConfig, {
-        "model": {"path": sft_addition}, "data": {"train": prompts, "max_prompt_length": 8},
-        "grpo": {"num_generations": 8, "max_new_tokens": 4, "temperature": 0.7, "rewards": {"last_number": 1.0},
-                 "advantages": "rloo"},
-        "lora": {"enabled": True, "rank": 8}, "optim": {"lr": 1e-3, "schedule": "constant"},
-        "train": {"steps": 120, "batch_size": 16, "log_every": 20}, "metrics": {"sinks": ["jsonl"]},
-        "run_dir": str(tmp_path / "run")}), progress=False)
+    trainer = lora_grpo(tmp_path, sft_addition, prompts, steps=120, batch_size=16, log_every=20, advantages="rloo")
     before = accuracy(trainer.model, trainer.tokenizer, pairs)
     trainer.train()
     after = accuracy(trainer.model, trainer.tokenizer, pairs)
