@@ -25,7 +25,7 @@ from posttrain.models.lora import apply_lora
 from posttrain.recipes.build import build_model, is_classifier, numerics
 from posttrain.rl.critic import PolicyCritic
 from posttrain.tokenizer import Tokenizer, check_same_tokenizer
-from posttrain.train.optim import make_optimizer, schedule
+from posttrain.train.optim import Optimizer, adamw_chain, schedule
 
 
 def build_critic(c, tok: Tokenizer, policy, mesh=None, rules=None):
@@ -97,6 +97,9 @@ def ppo_optimizer(c):
             return "critic" if names[0] == "critic" or "score" in names else "policy"
         return jax.tree_util.tree_map_with_path(which, params)
 
-    critic = make_optimizer(critic_optim, schedule(critic_optim, c.train.steps))
-    policy = make_optimizer(c.optim, schedule(c.optim, c.train.steps))
-    return optax.multi_transform({"policy": policy, "critic": critic}, labels)
+    def build(s):  # from the two schedules' numbers, arguments of the train step (optim.Optimizer)
+        return optax.multi_transform({"policy": adamw_chain(c.optim, s["policy"]),
+                                      "critic": adamw_chain(critic_optim, s["critic"])}, labels)
+
+    return Optimizer(build, {"policy": schedule(c.optim, c.train.steps),
+                             "critic": schedule(critic_optim, c.train.steps)})

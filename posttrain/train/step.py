@@ -15,6 +15,11 @@ Mixture-of-experts models: the router losses of `models/moe.py` (load balancing 
 unit of `denom` (so the step's mean gets coef x aux), with `router_aux_loss`, `router_z_loss` and
 `expert_load_<e>` in the metrics; a dense model's step is unchanged.
 
+Schedule numbers: an `optim.Optimizer` (what `make_optimizer` builds from a `Schedule`) and a `Schedule` as
+`schedule` pass their numbers (peak / floor LR, warm-up and decay steps) as arguments of the jitted step, which
+builds the optax chain from them inside its trace: runs that differ only in their length or LR share one
+compiled program (JAX's persistent cache). A plain optax optimizer or schedule is closed over as a constant.
+
 Non-finite guard: when the loss or the gradient norm is NaN/Inf the step keeps the previous
 parameters and optimizer state (the update is skipped), reports `skipped = 1`, and counts
 consecutive such steps in `state.nonfinite`; the loop halts the run after too many in a row.
@@ -24,15 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from posttrain.models import moe
 from posttrain.sharding import active_mesh, tree_shardings, use_mesh
+from posttrain.train.optim import Optimizer, Schedule
 
 
 @jax.tree_util.register_dataclass
@@ -61,10 +69,30 @@ def merge(graphdef, state: TrainState) -> nnx.Module:
     return nnx.merge(graphdef, state.params, state.rest)
 
 
-def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, graphdef, *,
-                    micro_batches: int = 1, schedule: Optional[optax.Schedule] = None,
-                    frozen_graphdef=None, trainable=nnx.Param, mesh=None, rules=None):
+class TrainStep:
+    """The jitted step with its schedule numbers bound: `step(state, batch, frozen=None)`; `lower` and `trace` take
+    the same arguments (for memory and compile-time checks)."""
+
+    def __init__(self, jitted, numbers):
+        self.jitted, self.numbers = jitted, numbers
+
+    def __call__(self, state, batch, frozen=None):
+        return self.jitted(state, batch, frozen, self.numbers)
+
+    def lower(self, state, batch, frozen=None):
+        return self.jitted.lower(state, batch, frozen, self.numbers)
+
+    def trace(self, state, batch, frozen=None):
+        return self.jitted.trace(state, batch, frozen, self.numbers)
+
+
+def make_train_step(loss_fn: Callable, optimizer, graphdef, *,
+                    micro_batches: int = 1, schedule=None,
+                    frozen_graphdef=None, trainable=nnx.Param, mesh=None, rules=None) -> TrainStep:
     """Build the jitted `step(state, batch, frozen=None) -> (state, metrics)`.
+
+    `optimizer`: an optax GradientTransformation or an `optim.Optimizer` (its numbers are arguments of the step);
+    `schedule` (optional): the learning rate logged as "lr", a `Schedule` (an argument) or an optax schedule.
 
     `frozen` (optional) is the state of a frozen model (reference / teacher) rebuilt with
     `frozen_graphdef` and handed to `loss_fn(policy, batch, frozen=..., rng=...)`.
@@ -89,11 +117,19 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
         (total, (metrics, new_rest)), grads = jax.value_and_grad(f, has_aux=True)(params)
         return grads, metrics, new_rest
 
-    def step(state: TrainState, batch, frozen=None):
-        with use_mesh(mesh, rules):
-            return step_body(state, batch, frozen)
+    numbers = {"optimizer": optimizer.numbers if isinstance(optimizer, Optimizer) else None,
+               "lr": schedule if isinstance(schedule, Schedule) else None}
+    # host scalars -> arrays once (not a transfer per step); on a mesh replicated over it, as every process holds them
+    where = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    numbers = jax.tree.map(lambda x: jax.device_put(np.asarray(x), where), numbers)
 
-    def step_body(state: TrainState, batch, frozen=None):
+    def step(state: TrainState, batch, frozen, numbers):
+        with use_mesh(mesh, rules):
+            opt = optimizer.build(numbers["optimizer"]) if isinstance(optimizer, Optimizer) else optimizer
+            lr = numbers["lr"] if isinstance(schedule, Schedule) else schedule
+            return step_body(state, batch, frozen, opt, lr)
+
+    def step_body(state: TrainState, batch, frozen, optimizer, schedule):
         frozen_model = None if frozen is None else nnx.merge(frozen_graphdef, frozen)
         rng, sub = jax.random.split(state.rng)
         if micro_batches == 1:
@@ -137,4 +173,4 @@ def make_train_step(loss_fn: Callable, optimizer: optax.GradientTransformation, 
             new = jax.lax.with_sharding_constraint(new, tree_shardings(new, *placed))  # the old one
         return new, out
 
-    return jax.jit(step, donate_argnums=0)
+    return TrainStep(jax.jit(step, donate_argnums=0), numbers)
