@@ -70,20 +70,30 @@ def merge(graphdef, state: TrainState) -> nnx.Module:
 
 
 class TrainStep:
-    """The jitted step with its schedule numbers bound: `step(state, batch, frozen=None)`; `lower` and `trace` take
-    the same arguments (for memory and compile-time checks)."""
+    """The jitted step with its schedule numbers bound: `step(state, batch, frozen=None)`. `lower` / `trace` take
+    the same arguments and give JAX's stages, whose `lower()` / `compile()` keep the numbers bound (a compiled step
+    is called as `compiled(state, batch, frozen)`)."""
 
-    def __init__(self, jitted, numbers):
-        self.jitted, self.numbers = jitted, numbers
+    def __init__(self, stage, numbers):
+        self.stage, self.numbers = stage, numbers
 
     def __call__(self, state, batch, frozen=None):
-        return self.jitted(state, batch, frozen, self.numbers)
+        return self.stage(state, batch, frozen, self.numbers)
 
-    def lower(self, state, batch, frozen=None):
-        return self.jitted.lower(state, batch, frozen, self.numbers)
+    def lower(self, *args, **kwargs):
+        return TrainStep(self.stage.lower(*self._args(args), **kwargs), self.numbers)
 
-    def trace(self, state, batch, frozen=None):
-        return self.jitted.trace(state, batch, frozen, self.numbers)
+    def trace(self, *args):
+        return TrainStep(self.stage.trace(*self._args(args)), self.numbers)
+
+    def compile(self, *args, **kwargs):
+        return TrainStep(self.stage.compile(*args, **kwargs), self.numbers)
+
+    def _args(self, args):  # (state, batch[, frozen]) of the jitted function, the numbers appended; none: a stage
+        return (*args, *(None,) * (3 - len(args)), self.numbers) if args else ()
+
+    def __getattr__(self, name):  # as_text, memory_analysis, cost_analysis, ... of a JAX stage
+        return getattr(self.stage, name)
 
 
 def make_train_step(loss_fn: Callable, optimizer, graphdef, *,
