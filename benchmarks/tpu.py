@@ -84,7 +84,8 @@ SHAPE = {k: _value(v) for k, v in (kv.split("=") for kv in args.shape.split(",")
 
 
 def model_config(**kw):
-    return preset(args.preset, **{"param_dtype": args.dtype, "dtype": args.dtype, **SHAPE}, **kw)  # --shape dtype=...: compute dtype
+    # --shape dtype=bfloat16 with --dtype float32: float32 parameters, bfloat16 compute
+    return preset(args.preset, **{"param_dtype": args.dtype, "dtype": args.dtype, **SHAPE}, **kw)
 
 
 def build(cfg):
