@@ -213,6 +213,40 @@ def _split_bwd(axis, sizes, _, cts):
 split.defvjp(_split_fwd, _split_bwd)
 
 
+PLAIN_WEIGHT_GRADS = True  # False: plain autodiff of x @ w everywhere (for A/B runs)
+
+
+def project(x, w):
+    """x [..., K] @ w [K, N]. On a CPU its weight gradient is ONE plain product x^T [K, M] @ g [M, N], x^T
+    materialised first: as JAX differentiates x @ w, XLA:CPU contracts both operands over their token axis
+    (x [M, K] and g laid out [N, M]), which Eigen ran at half speed (lm_head [2048, 256] x [2048, 2048]: 96 -> 52
+    ms CPU alone). Same products and block sizes, so the same bits (tests/test_models.py checks). Other backends,
+    or PLAIN_WEIGHT_GRADS False: x @ w."""
+    if not PLAIN_WEIGHT_GRADS or jax.default_backend() != "cpu":
+        return x @ w
+    lead = x.shape[:-1]
+    return _plain(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[-1])
+
+
+@jax.custom_vjp
+def _plain(x, w):
+    return x @ w
+
+
+def _plain_fwd(x, w):
+    return x @ w, (x, w)
+
+
+def _plain_bwd(res, g):
+    x, w = res
+    dx = jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())))  # g @ w^T, as autodiff writes it
+    xt = jax.lax.optimization_barrier(jnp.transpose(x))  # kept apart: XLA would fold it back into the product
+    return dx, xt @ g
+
+
+_plain.defvjp(_plain_fwd, _plain_bwd)
+
+
 def lora_update(module, name: str, x):
     """The LoRA adapter's contribution for projection `name` of `module`, or None (see lora.py)."""
     lo = getattr(module, name + "_lora", None)
@@ -320,7 +354,7 @@ class Attention(nnx.Module):
             out = out * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(out.dtype)
         b, t = out.shape[:2]  # one 2-D matmul: lets XLA keep the weight's layout (no per-call transpose)
         o = self.o[...].astype(dt)
-        y = out.reshape(b, t, -1) @ o.reshape(-1, o.shape[-1])
+        y = project(out.reshape(b, t, -1), o.reshape(-1, o.shape[-1]))
         if (d := lora_update(self, "o", out)) is not None:
             y = y + d
         if self.o_bias is not None:
@@ -353,7 +387,7 @@ class MLP(nnx.Module):
             h = h + d
         gate, up = split(h, 2, (1, 1))
         h = constrain(self.act(gate[:, :, 0]) * up[:, :, 0], ("batch", "seq", "mlp"))
-        y = jnp.einsum("btf,fd->btd", h, self.down[...].astype(dt))
+        y = project(h, self.down[...].astype(dt))
         if (d := lora_update(self, "down", h)) is not None:
             y = y + d
         return y

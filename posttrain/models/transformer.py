@@ -32,7 +32,7 @@ from posttrain.models import kv_store, moe, scan
 from posttrain.models.attention import Layout, kv_pack, softcap
 from posttrain.models.config import ModelConfig
 from posttrain.models.deltanet import GatedDeltaNet, LinearState
-from posttrain.models.layers import MLP, Attention, Buffer, RMSNorm, rope_cos_sin, rope_lookup
+from posttrain.models.layers import MLP, Attention, Buffer, RMSNorm, project, rope_cos_sin, rope_lookup
 from posttrain.models.moe import MoE
 from posttrain.sharding import constrain, param
 
@@ -254,8 +254,8 @@ class Transformer(nnx.Module):
             logits = jnp.einsum("btd,dv->btv", h.astype(dt), head.astype(dt))
         elif self.lm_head is None:
             logits = jnp.einsum("btd,vd->btv", h.astype(dt), self.embed[...].astype(dt))
-        else:
-            logits = jnp.einsum("btd,dv->btv", h.astype(dt), self.lm_head[...].astype(dt))
+        else:  # weight gradient as one plain product on a CPU (layers.project)
+            logits = project(h.astype(dt), self.lm_head[...].astype(dt))
         logits = softcap(logits, self.cfg.final_softcap)
         return constrain(logits, ("batch", "seq", "vocab"))
 
