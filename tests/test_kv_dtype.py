@@ -15,7 +15,6 @@ Against the float32 model: the format's step u (a relative 2^-m for m mantissa b
 of the attention it reads, so less than u (measured: e4m3 0.018, e5m2 0.038, a factor 2 per mantissa bit; int8
 0.0039), and by more than twice the reference tolerance, or the two references could not be told apart."""
 
-import dataclasses
 import functools
 
 import jax
@@ -24,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from test_kv_pack import stop_then_extend_equals_one_decode
 
 from posttrain.errors import PosttrainError
 from posttrain.generate import Sampler, SamplingParams
@@ -130,18 +130,8 @@ def test_multi_turn_keeps_the_8_bit_cache(hf_checkpoints, kv):
     """`begin` then `extend` (the cache kept, re-batched and grown): the continuation samples what one uninterrupted
     greedy decode with the same 8-bit cache samples, and the kept cache stays 8-bit."""
     s = Sampler(from_pretrained(hf_checkpoints["llama"]), max_len=96, kv_dtype=kv)
-    ids = [[5, 6, 7, 8, 9], [11, 12, 13]]
-    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, n=2)
-    never = [[10**6, 10**6]]
-    ref, _ = s.begin(ids, greedy, stop_sequences=never)
-    first, turn = s.begin(ids, greedy, stop_sequences=[ref.tokens[0, 4:6].tolist()])
-    L = int(first.lengths[0])
-    assert first.finish_reasons[0] == "stop"
-    again, turn2 = s.extend(turn, [0], [[]], dataclasses.replace(greedy, n=1), max_new_tokens=[12 - L],
-                            stop_sequences=never)
-    np.testing.assert_array_equal(again.tokens[0, :12 - L], ref.tokens[0, L:])
-    np.testing.assert_allclose(again.logprobs[0, :12 - L], ref.logprobs[0, L:], atol=1e-5, rtol=0)
-    assert {x.dtype for x in turn2.cache.k + turn2.cache.v} == {jnp.dtype(kv)}
+    cache = stop_then_extend_equals_one_decode(s)
+    assert {x.dtype for x in cache.k + cache.v} == {jnp.dtype(kv)}
 
 
 def test_the_default_cache_is_the_compute_dtype(hf_checkpoints):

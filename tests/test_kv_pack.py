@@ -87,20 +87,26 @@ def test_sampler_with_a_packed_cache_equals_the_plain_one(hf_checkpoints, monkey
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5, rtol=0)
 
 
+def stop_then_extend_equals_one_decode(s) -> T.KVCache:
+    """`begin` stopped at a sequence, then `extend` of row 0 (the cache kept): the continuation samples what one
+    uninterrupted greedy decode samples, log-probs within 1e-5. Returns the extended turn's cache."""
+    ids = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, n=2)
+    never = [[10**6, 10**6]]
+    ref, _ = s.begin(ids, greedy, stop_sequences=never)
+    first, turn = s.begin(ids, greedy, stop_sequences=[ref.tokens[0, 4:6].tolist()])
+    L = int(first.lengths[0])
+    assert first.finish_reasons[0] == "stop"
+    again, turn2 = s.extend(turn, [0], [[]], dataclasses.replace(greedy, n=1), max_new_tokens=[12 - L],
+                            stop_sequences=never)
+    np.testing.assert_array_equal(again.tokens[0, :12 - L], ref.tokens[0, L:])
+    np.testing.assert_allclose(again.logprobs[0, :12 - L], ref.logprobs[0, L:], atol=1e-5, rtol=0)
+    return turn2.cache
+
+
 def test_stop_then_extend_with_a_packed_cache(hf_checkpoints, packed):
     """A multi-turn continuation (`begin`, then `extend` of the kept rows) reads and grows the packed cache: it
     samples what one uninterrupted greedy decode samples."""
     s = Sampler(from_pretrained(hf_checkpoints["llama"]), max_len=96)
     assert s.cfg.num_kv_heads % 2 == 0 and T.KVCache.init(s.cfg, 1, 8).k[0].shape[1] == s.cfg.num_kv_heads // 2
-    ids = [[5, 6, 7, 8, 9], [11, 12, 13]]
-    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, n=2)
-    never = [[10**6, 10**6]]
-    ref, _ = s.begin(ids, greedy, stop_sequences=never)
-    seq = ref.tokens[0, 4:6].tolist()
-    first, turn = s.begin(ids, greedy, stop_sequences=[seq])
-    L = int(first.lengths[0])
-    assert first.finish_reasons[0] == "stop"
-    again, _ = s.extend(turn, [0], [[]], dataclasses.replace(greedy, n=1), max_new_tokens=[12 - L],
-                        stop_sequences=never)
-    np.testing.assert_array_equal(again.tokens[0, :12 - L], ref.tokens[0, L:])
-    np.testing.assert_allclose(again.logprobs[0, :12 - L], ref.logprobs[0, L:], atol=1e-5, rtol=0)
+    stop_then_extend_equals_one_decode(s)
