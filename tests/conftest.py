@@ -195,7 +195,16 @@ SLOW_TESTS = {
     # (#53, make test-fast <= 3 min) whole command-line runs: the export safety tests' shared 4-step SFT run and the
     # profiler / MFU run (9.5 and 5.8 CPU s; test_sft_cli's 2-step run stays the edit loop's one command-line run)
     "test_ops_run.py": {"test_sinks_profiler_and_mfu_during_a_run"},
+    # (#53, seventh stop) 7-13 s each alone on one core, none a family's logits / sampler / attention / TRL-loss check:
+    # the splash kernel's segment case (interpreted on a CPU; its soft-cap case stays), the PPO loss on-policy (the
+    # loss-vs-reference cases stay), chunked log-probs with gradients (the budget and no-whole-logits checks stay),
+    # which layers scan, the Qwen3.5-MoE preset's plans (its logits parity stays)
+    "test_attention_tpu.py": {"test_splash_equals_dense[segments]"},
+    "test_ppo_losses.py": {"test_ppo_loss_on_policy"},
+    "test_chunked_logps.py": {"test_chunked_equals_unchunked_values_and_gradients"},
 }
+SLOW_TESTS["test_scan_layers.py"] |= {"test_which_layers_scan"}
+SLOW_TESTS["test_qwen3_5_moe.py"] |= {"test_preset_is_transformers_default_config_and_plans"}
 SLOW_TESTS["test_no_data_loss.py"] |= {"test_export_into_the_run_folder_is_refused_and_the_run_still_exports",
                                        "test_export_over_a_folder_with_user_files_needs_overwrite",
                                        "test_full_disk_during_export_keeps_the_previous_export"}
