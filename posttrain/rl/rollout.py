@@ -4,7 +4,7 @@ What it is: `GroupRollout(...)` is the batch source of the GRPO trainer (`train.
 with the current TrainState before every step):
   1. the next `batch_size` prompts (a Grain-shuffled stream over the prompt set, checkpointable);
   2. `n` samples each from the `Sampler`, which runs on the state's own parameter buffers
-     (`Sampler.update(merge(graphdef, state))`: no copy and, shapes being equal, no recompile);
+     (`Sampler.update(merged_state(state))`: no copy and, shapes being equal, no recompile);
      each prompt is prefilled once and its cache shared by its n samples; the PRNG key of
      rollout r is fold_in(key(seed), r), so a resumed run samples exactly what it would have;
   3. rewards from the reward functions (`rewards/runner.score`: failures counted, never fatal;
@@ -45,7 +45,7 @@ from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.advantages import estimate_advantages
 from posttrain.rewards.runner import score as score_rewards
 from posttrain.rl.images import add_image_fields, sampler_images
-from posttrain.train.step import merge
+from posttrain.train.step import merged_state
 
 
 class GroupRollout:
@@ -130,7 +130,7 @@ class GroupRollout:
         return group, out, rewards, keep, total
 
     def rollout(self, state, r: int) -> dict:
-        self.sampler.update(merge(self.graphdef, state))
+        self.sampler.update(merged_state(state))
         key = jax.random.fold_in(jax.random.key(self.seed), r)
         group, out, rewards, keep, total = self._sample(jax.random.fold_in(key, 0), self.batch_size)
         if self.dynamic:  # DAPO: groups whose rewards all agree carry no signal; swap in new ones
