@@ -15,6 +15,7 @@ optional. After that step's own hooks (so after its checkpoint save has started)
           write past it fails with EFBIG, as on a full disk, in Python and in Orbax's C++ alike.
 """
 
+import gc
 import json
 import os
 import resource
@@ -29,6 +30,7 @@ import transformers.tokenization_utils_tokenizers  # noqa: F401  (and torch, whi
 from jax._src import xla_bridge
 
 import posttrain.cli
+import posttrain.config
 import posttrain.report
 import posttrain.train.trainer as engine
 import posttrain.trainers
@@ -37,6 +39,9 @@ from posttrain.train.loop import Hook
 for _trainer in posttrain.trainers.TRAINERS:
     posttrain.trainers.recipe_class(_trainer)  # the trainers' modules
 posttrain.report._plot({"loss": ([1, 2], [1.0, 0.5])}, ["loss"], [], "warm-up", "loss")  # matplotlib and its fonts
+for _trainer in ("sft", "ppo"):  # a config read: pydantic's lazily imported validators
+    _recipe = posttrain.trainers.recipe_class(_trainer)
+    posttrain.config.load(_recipe.config_class, f"configs/{_trainer}_tiny.yaml", [])
 assert not xla_bridge.backends_are_initialized(), "a JAX backend started before fork: the children would share it"
 
 
@@ -68,6 +73,10 @@ def child(argv, out_fd, signal_at=None, fsize_at=None):
     os._exit(rc)
 
 
+# What is imported is never garbage: frozen out of the collector, a child's full collections (~0.5 CPU s
+# of a 10-step PPO run) no longer walk the ~390,000 objects of JAX, torch and transformers.
+gc.collect()
+gc.freeze()
 print("ready", flush=True)
 for line in sys.stdin:
     job = json.loads(line)
