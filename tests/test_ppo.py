@@ -90,7 +90,7 @@ def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path):
     first = PPOTrainer(cfg, progress=False)
     assert first.model.critic is None and isinstance(first.model.policy.score, ScoreParam)
     assert first.model.policy.lm_head is not None
-    first.train()
+    done = first.train()
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "6")
     resumed = PPOTrainer(cfg, progress=False)
     assert resumed.train()["step"] == 6
@@ -113,6 +113,10 @@ def test_resume_in_the_middle_of_a_rollout_is_exact(tmp_path):
     assert len(coefs) == 2 and coefs[1] != coefs[0]  # the controller state carried over
     assert abs(logged[0]["kl"]) <= 1e-6 and logged[0]["logp_mismatch_max"] <= 1e-5
     assert logged[-1]["value_mean"] != logged[0]["value_mean"]
+    # the result (the CLI's `done:` line) carries the last rollout's reward and KL: step 6 reuses step 5's rollout
+    last = [m for m in logged if "reward/mean" in m][-1]
+    assert last["step"] == 5 and "reward/mean" not in logged[-1]
+    assert done["reward/mean"] == last["reward/mean"] and np.isfinite(done["reward/mean"]) and done["kl"] == last["kl"]
 
 
 def _folder(tmp_path, name, preset_name, tok, *, score=False):

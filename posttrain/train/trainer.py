@@ -113,7 +113,8 @@ class Trainer:
     def run(self, state: TrainState, *, summary: str = "") -> tuple[TrainState, dict]:
         """Train (or resume) up to config.train.steps; (state, result).
 
-        `summary` is printed once the run is resumed or started. `result`: the last logged metrics plus
+        `summary` is printed once the run is resumed or started. `result`: each metric's last logged value (an RL
+        reward from its rollout's step, when later steps reuse that rollout) plus
         `first_loss`, `seconds` and the last hook-logged metrics (evaluation), or `{"step", "finished": True,
         "seconds"}` when the folder already holds a finished run (the state is then the restored one)."""
         c, name, batches = self.config, self.name, self.batches
@@ -182,7 +183,8 @@ class Trainer:
                 profiler.close()
         save_state(state.params, os.path.join(c.run_dir, WEIGHTS))  # every process joins; process 0 writes
         result = self.result
-        result.update(history[-1] if history else {})
+        for logged in history:  # each metric's last logged value: an RL rollout's reward is on its rollout's step
+            result.update(logged)
         result.update(first_loss=history[0]["loss"] if history else None, seconds=time.perf_counter() - t0)
         return state, result
 
