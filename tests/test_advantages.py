@@ -104,7 +104,7 @@ class _StubSampler:
 
 def _rollout_advantages(monkeypatch, rewards, advantages):
     """[16] advantages of the rows of one GroupRollout rollout whose two reward functions return `rewards`."""
-    monkeypatch.setattr(rollout_module, "merge", lambda graphdef, state: None)
+    monkeypatch.setattr(rollout_module, "merged_state", lambda state: None)
     tok = byte_tokenizer()
     column = lambda f: lambda prompts, completions, **_: [None if np.isnan(v) else float(v)  # noqa: E731
                                                            for v in rewards[:, f]]
