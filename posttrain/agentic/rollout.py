@@ -49,7 +49,7 @@ from posttrain.data.prompts import Prompt, tokenize_prompt
 from posttrain.generate import Sampler, SamplingParams
 from posttrain.losses.advantages import estimate_advantages
 from posttrain.rl.rollout import GroupRollout
-from posttrain.train.step import merge
+from posttrain.train.step import merged_state
 
 
 @dataclasses.dataclass
@@ -244,7 +244,7 @@ class AgenticRollout(GroupRollout):
         self.last_episodes: list[SampledEpisode] = []
 
     def rollout(self, state, r: int) -> dict:
-        self.sampler.update(merge(self.graphdef, state))
+        self.sampler.update(merged_state(state))
         key = jax.random.fold_in(jax.random.key(self.seed), r)
         group = [self.prompts[next(self._stream)] for _ in range(self.batch_size)]
         eps = run_episodes(self.sampler, self.tok, group, self.make_env, self.params, key=key,

@@ -36,7 +36,7 @@ from flax import nnx
 
 from posttrain.data.pipeline import Example, to_arrays
 from posttrain.generate import Sampler, SamplingParams
-from posttrain.train.step import merge
+from posttrain.train.step import merged_state
 
 
 def _sample(sampler: Sampler, prompts, params: SamplingParams, key) -> list[np.ndarray]:
@@ -122,7 +122,7 @@ class OnPolicyBatches:
         return next(self.offline)
 
     def student_batch(self, state, step: int) -> dict:
-        self.sampler.update(merge(self.graphdef, state))
+        self.sampler.update(merged_state(state))
         group = [self.prompts[next(self._stream)] for _ in range(self.batch_size)]
         t0 = time.perf_counter()
         done = _sample(self.sampler, [p.ids for p in group], self.params,

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from posttrain.rl.rollout import GroupRollout
-from posttrain.train.step import merge
+from posttrain.train.step import merged_state
 
 
 def pair_order(scores) -> np.ndarray:
@@ -40,7 +40,7 @@ class PairRollout(GroupRollout):
         self.eos_penalty = missing_eos_penalty
 
     def rollout(self, state, r: int) -> dict:
-        self.sampler.update(merge(self.graphdef, state))
+        self.sampler.update(merged_state(state))
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.seed), r), 0)
         group, out, _, keep, total = self._sample(key, self.batch_size)
         eos = np.array([f == "stop" for f in out.finish_reasons])

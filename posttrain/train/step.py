@@ -71,7 +71,7 @@ def merge(graphdef, state: TrainState) -> nnx.Module:
 
 def merged_state(state: TrainState) -> nnx.State:
     """`nnx.state(merge(graphdef, state))` without building the module: the same leaves (what a Sampler's `update`
-    takes), ~20x less host time (a GRPO step's rollout calls it once)."""
+    takes), ~20x less host time; every RL rollout (GRPO, online DPO, on-policy distillation, agentic) calls it once."""
     return nnx.merge_state(state.params, state.rest)
 
 
