@@ -74,10 +74,14 @@ def test_splash_kernel_reused_across_traces():
 def test_long_rows_take_the_long_tile_and_equal_dense(monkeypatch):
     """Rows of LONG slots or more are tiled by LONG_BLOCK (1024 for 8192+ on a TPU); here LONG is lowered to 1024 so
     a 1000-token row (padded to 1024) is one 1024-tile where BLOCKS alone would give two 512-tiles, and the
-    kernel so tiled still equals dense attention, outputs and gradients."""
+    kernel so tiled still equals dense attention, outputs and gradients (float32 inputs: LONG_F32 lets them take it).
+    Float32 inputs by default keep BLOCKS."""
     from posttrain.models import attention_tpu as AT
 
     monkeypatch.setattr(AT, "LONG", 1024)
+    AT._kernel.cache_clear()
+    assert AT._kernel(1024, G, None, True, wide=False).kwargs["block_sizes"].block_q == 512  # float32's rule
+    monkeypatch.setattr(AT, "LONG_F32", True)
     AT._kernel.cache_clear()
     try:
         assert AT._kernel(1024, G, None, True).kwargs["block_sizes"].block_q == 1024

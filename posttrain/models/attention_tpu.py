@@ -23,15 +23,20 @@ BLOCKS = (512, 256, 128)  # the largest that divides the padded length is the ti
 # 47.4 % MFU against 43.8 % with 512-tiles (docs/benchmarks.md, TPU fifth session); shorter rows keep BLOCKS (their
 # 55.5 % MFU was measured with 512)
 LONG, LONG_BLOCK = 8192, 1024
+# ... for 16-bit inputs only: float32 rows of 16,384 slots at HIGHEST matmul precision (the TPU test tier's setting)
+# with 1024-tiles fail to compile on a v5e ("CompileTimeScopedVmemOom": the dkv kernel's scoped VMEM 20.25M against
+# its 16M limit, docs/benchmarks.md, TPU eighth session), so float32 keeps BLOCKS. True: float32 takes them too.
+LONG_F32 = False
 
 
 @functools.lru_cache(maxsize=32)
-def _kernel(T: int, groups: int, cap, interpret: bool):
-    """The splash kernel for rows of T (a multiple of 128) slots and `groups` query heads per kv head."""
+def _kernel(T: int, groups: int, cap, interpret: bool, wide: bool = True):
+    """The splash kernel for rows of T (a multiple of 128) slots and `groups` query heads per kv head; wide: rows of
+    LONG or more may take LONG_BLOCK tiles (16-bit inputs)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
-    b = next(x for x in ((LONG_BLOCK,) if T >= LONG else ()) + BLOCKS if T % x == 0)
+    b = next(x for x in ((LONG_BLOCK,) if wide and T >= LONG else ()) + BLOCKS if T % x == 0)
     sizes = sk.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                           block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
     mask = sm.MultiHeadMask([sm.CausalMask((T, T)) for _ in range(groups)])
@@ -56,7 +61,7 @@ def splash(q, k, v, layout, *, scale: float, cap, interpret: bool = False):
     qh = jnp.pad(qh, ((0, 0),) * 3 + ((0, Tp - T), (0, 0)))
     kh = jnp.pad(k.astype(dt), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
     vh = jnp.pad(v.astype(dt), ((0, 0), (0, 0), (0, Tp - T), (0, 0)))
-    kern = _kernel(Tp, G, cap, interpret)
+    kern = _kernel(Tp, G, cap, interpret, jnp.dtype(dt).itemsize <= 2 or LONG_F32)
 
     def row(qr, kr, vr, s):  # one row: [K,G,Tp,H], [K,Tp,H] x2, [Tp]
         ids = SegmentIds(q=s, kv=s)
