@@ -264,7 +264,7 @@ def test_train_step_memory_grows_linearly(monkeypatch):
 
     if jax.default_backend() == "tpu":
         t8, t16, t32 = (_train_temp_bytes(T) for T in (8192, 16384, 32768))
-        assert (t32 - t16) / (t16 - t8) < 2.5, (t8, t16, t32)
+        assert 0 < t32 - t16 < 2.5 * (t16 - t8), (t8, t16, t32)
     else:
         small, big = _train_temp_bytes(2048), _train_temp_bytes(8192)
         assert big / small < 5.0, (small, big)
@@ -273,5 +273,10 @@ def test_train_step_memory_grows_linearly(monkeypatch):
     act = [plan(cfg, batch=1, seq_len=T, mesh_shape={}, preset="dp")["activations"] for T in (2048, 8192)]
     assert act[1] == 4 * act[0]
     monkeypatch.setattr(A, "DENSE_MAX", 1 << 20)  # the dense path, for contrast: quadratic
-    dense_small, dense_big = _train_temp_bytes(1024), _train_temp_bytes(4096)
-    assert dense_big / dense_small > 8.0, (dense_small, dense_big)
+    if jax.default_backend() == "tpu":  # small rows' temporaries sit in VMEM (1 x 1024 dense: 0 bytes of HBM, TPU
+        # eighth session): the same per-added-token measure as above, 4 for quadratic growth (not yet run on a chip)
+        d2, d4, d8 = (_train_temp_bytes(T) for T in (2048, 4096, 8192))
+        assert d8 - d4 > 2.5 * (d4 - d2) > 0, (d2, d4, d8)
+    else:
+        dense_small, dense_big = _train_temp_bytes(1024), _train_temp_bytes(4096)
+        assert dense_big / dense_small > 8.0, (dense_small, dense_big)
