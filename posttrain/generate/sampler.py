@@ -25,6 +25,7 @@ import numpy as np
 from flax import nnx
 
 from posttrain.errors import PosttrainError
+from posttrain.generate.programs import Programs
 from posttrain.generate.sampling import SamplingParams, kv_cache_dtype, select
 from posttrain.generate.shapes import (  # noqa: F401 (re-exported)
     BLOCK_STEP,
@@ -77,7 +78,24 @@ class Turn:
         return len(self.lengths)
 
 
+def _is_stop(tok, hist, stop, seqs):
+    """Rows whose token is one of their stop ids [R, W] (-1 = none), or whose last tokens `hist` match a stop
+    sequence of `seqs` [Q, L] (right-aligned, -1 = any token; None: none)."""
+    hit = jnp.any(tok[:, None] == stop, axis=-1)
+    if seqs is not None:
+        hit = hit | jnp.any(jnp.all((seqs[None] < 0) | (hist[:, None] == seqs[None]), axis=-1), axis=-1)
+    return hit
+
+
+def _push(hist, tok):  # the last L sampled tokens of each row (stop sequences only)
+    return None if hist is None else jnp.concatenate([hist[:, 1:], tok[:, None]], axis=1)
+
+
 class Sampler:
+    # generate: compile a new shape's prefill and decode phases as separate programs, concurrently
+    # (generate/programs.py); False: one prefill and one decode program, as begin/extend and image prompts do
+    concurrent_compile = True
+
     def __init__(self, model: Transformer, *, max_len: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, pad_id: int = 0, mesh=None, rules=None,
                  dtype: Optional[str] = None, own_mesh: bool = False, kv_dtype: Optional[str] = None):
@@ -120,6 +138,7 @@ class Sampler:
         self._decode = jax.jit(self._decode_fn, static_argnames=("params", "max_new"))
         self._turn = jax.jit(self._turn_fn, static_argnames=("params", "max_new", "phases"))
         self._keep = jax.jit(self._keep_fn, static_argnames=("size",))
+        self._programs = Programs(self)  # generate's prefill and decode phases, compiled concurrently
         self._images = None  # generate/vision.py's ImagePrefill, made at the first call with images
         self.vision = getattr(model, "vcfg", None) or self.cfg.vision  # a vision-language model's vision config
 
@@ -171,23 +190,26 @@ class Sampler:
         return logits, out.cache
 
     def _decode_fn(self, state, logits, cache, next_pos, key, stop, max_new_row, *, params, max_new):
-        """logits [B,V] of each prompt's next token; returns tokens, logprobs, lengths [B*n, ...]."""
+        """logits [B,V] of each prompt's next token; returns tokens, logprobs, lengths [B*n, ...] (, routes). One
+        program (`generate` compiles these steps as several: generate/programs.py)."""
         with use_mesh(self.mesh, self.rules):
-            return self._decode_body(state, logits, cache, next_pos, key, stop, max_new_row, params, max_new)
+            self.traces["decode"] += 1
+            model, head = self._merge(state)
+            logits, cache, next_pos = self._repeat(logits, cache, next_pos, params.n)
+            out = self._decode_loop(model, logits, cache, next_pos, key, stop, max_new_row, params, max_new,
+                                    head=head)
+            return out[:3] + out[4:]  # tokens, logprobs, lengths (, routes)
 
-    def _decode_body(self, state, logits, cache, next_pos, key, stop, max_new_row, params, max_new):
-        self.traces["decode"] += 1
-        model, head = self._merge(state)
-        n = params.n
-        if n > 1:  # share each prompt's prefill across its n samples
-            rep = functools.partial(jnp.repeat, repeats=n, axis=0)
-            cache = dataclasses.replace(cache.map_kv(lambda x, a: jnp.repeat(x, n, axis=a)), pos=rep(cache.pos),
-                                        branch=None if cache.branch is None else rep(cache.branch),
-                                        linear=jax.tree.map(rep, cache.linear))  # Gated DeltaNet states
-            logits, next_pos = rep(logits), rep(next_pos)
-        out = self._decode_loop(model, logits, cache, next_pos, key, stop, max_new_row, params, max_new,
-                                head=head)
-        return out[:3] + out[4:]  # tokens, logprobs, lengths (, routes)
+    @staticmethod
+    def _repeat(logits, cache, next_pos, n):
+        """Each prompt's prefill shared by its n samples: its logits, cache and next position repeated n times."""
+        if n == 1:
+            return logits, cache, next_pos
+        rep = functools.partial(jnp.repeat, repeats=n, axis=0)
+        cache = dataclasses.replace(cache.map_kv(lambda x, a: jnp.repeat(x, n, axis=a)), pos=rep(cache.pos),
+                                    branch=None if cache.branch is None else rep(cache.branch),
+                                    linear=jax.tree.map(rep, cache.linear))  # Gated DeltaNet states
+        return rep(logits), cache, rep(next_pos)
 
     def _decode_loop(self, model, logits, cache, next_pos, key, stop, max_new_row, params, max_new, seqs=None,
                      phases=True, head=None):
@@ -195,31 +217,37 @@ class Sampler:
 
         seqs [Q, L] int32 (or None): stop sequences, right-aligned, -1 = any token; a row also stops
         when its last L sampled tokens match one. phases: grow the cache in phases by max_new - 1 slots
-        (else it must already hold them: one loop). Returns (tokens, logprobs, lengths, cache)."""
-        R, P = logits.shape[0], cache.size
-        start = cache.index  # the slot decode step 1 writes (P after a prefill)
-        ropes = model.rope_tables(P + max_new)  # every position is < prompt bucket + max_new
+        (else it must already hold them: one loop). Returns (tokens, logprobs, lengths, cache, routes)."""
+        P, start = cache.size, cache.index  # start: the slot decode step 1 writes (P after a prefill)
         stack = scan.stack(model) if self._scan else None  # the weights stacked once for every step (scan.py)
+        carry = self._decode_init(logits, cache, next_pos, key, stop, max_new_row, params, max_new, seqs)
+        # Step i writes cache slot start + i - 1. The cache grows in phases, so attention (which reads
+        # every slot of the cache) reads about the filled part only: one while_loop per phase. One new token
+        # (max_new 1) is the prefill's: no decode step is traced or compiled.
+        for size in (phase_sizes(P, max_new) if phases else (P,)) if max_new > 1 else ():
+            carry = carry[:3] + (grow(carry[3], size),) + carry[4:]
+            carry = self._decode_phase(model, head, stack, carry, start, size, P, key, stop, max_new_row, params,
+                                       max_new, seqs)
+        return carry[5], carry[6], carry[7], carry[3], carry[9]  # tokens, logprobs, lengths, cache, routes
 
-        def is_stop(tok, hist):
-            hit = jnp.any(tok[:, None] == stop, axis=-1)
-            if seqs is not None:
-                hit = hit | jnp.any(jnp.all((seqs[None] < 0) | (hist[:, None] == seqs[None]), axis=-1), axis=-1)
-            return hit
-
-        def push(hist, tok):  # the last L sampled tokens of each row (stop sequences only)
-            return None if hist is None else jnp.concatenate([hist[:, 1:], tok[:, None]], axis=1)
-
+    def _decode_init(self, logits, cache, next_pos, key, stop, max_new_row, params, max_new, seqs):
+        """The first sampled token (from the prefill's logits) and the decode loops' carry."""
+        R = logits.shape[0]
         tok, lp = select(logits, jax.random.fold_in(key, 0), params)
-        hist = None if seqs is None else push(jnp.full((R, seqs.shape[1]), -1, jnp.int32), tok)
+        hist = None if seqs is None else _push(jnp.full((R, seqs.shape[1]), -1, jnp.int32), tok)
         out_tok = jnp.full((R, max_new), self.pad_id, jnp.int32).at[:, 0].set(tok)
         out_lp = jnp.zeros((R, max_new), jnp.float32).at[:, 0].set(lp)
-        done = is_stop(tok, hist) | (max_new_row <= 1)
-        record = params.record_routes
+        done = _is_stop(tok, hist, stop, seqs) | (max_new_row <= 1)
         moe_layers = sum(self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers))
-        routes = (jnp.full((R, max_new, moe_layers, self.cfg.experts_per_token), -1, jnp.int32) if record
-                  else None)
-        carry = (jnp.int32(1), tok, next_pos, cache, done, out_tok, out_lp, jnp.ones((R,), jnp.int32), hist, routes)
+        routes = (jnp.full((R, max_new, moe_layers, self.cfg.experts_per_token), -1, jnp.int32)
+                  if params.record_routes else None)
+        return jnp.int32(1), tok, next_pos, cache, done, out_tok, out_lp, jnp.ones((R,), jnp.int32), hist, routes
+
+    def _decode_phase(self, model, head, stack, carry, start, size, P, key, stop, max_new_row, params, max_new,
+                      seqs):
+        """One phase's while_loop of decode steps over the carry's cache of `size` slots (P: the prompt bucket)."""
+        ropes = model.rope_tables(P + max_new)  # every position is < prompt bucket + max_new
+        record = params.record_routes
 
         def body(c):
             i, tok, pos, cache, done, out_tok, out_lp, lengths, hist, routes = c
@@ -240,22 +268,16 @@ class Sampler:
             out_tok = jax.lax.dynamic_update_slice(out_tok, new[:, None], (0, i))
             out_lp = jax.lax.dynamic_update_slice(out_lp, lp[:, None], (0, i))
             lengths = lengths + (~done).astype(jnp.int32)
-            hist = push(hist, new)
-            done = done | is_stop(new, hist) | (i + 1 >= max_new_row)
+            hist = _push(hist, new)
+            done = done | _is_stop(new, hist, stop, seqs) | (i + 1 >= max_new_row)
             return i + 1, new, pos + 1, out.cache, done, out_tok, out_lp, lengths, hist, routes
 
-        # Step i writes cache slot start + i - 1. The cache grows in phases, so attention (which reads
-        # every slot of the cache) reads about the filled part only: one while_loop per phase. One new token
-        # (max_new 1) is the prefill's: no decode step is traced or compiled.
-        for size in (phase_sizes(P, max_new) if phases else (P,)) if max_new > 1 else ():
-            carry = carry[:3] + (grow(carry[3], size),) + carry[4:]
-            last = size - start + 1  # steps this phase's cache can hold
+        last = size - start + 1  # steps this phase's cache can hold
 
-            def cond(c, last=last):
-                return (c[0] < jnp.minimum(max_new, last)) & ~jnp.all(c[4])
+        def cond(c):
+            return (c[0] < jnp.minimum(max_new, last)) & ~jnp.all(c[4])
 
-            carry = jax.lax.while_loop(cond, body, carry)
-        return carry[5], carry[6], carry[7], carry[3], carry[9]  # tokens, logprobs, lengths, cache, routes
+        return jax.lax.while_loop(cond, body, carry)
 
     def _keep_fn(self, cache, rows, *, size):
         """Rows `rows` of the cache, grown to `size` slots: the rows that go on to the next turn, with room
@@ -346,12 +368,14 @@ class Sampler:
                 self._images = ImagePrefill(self)
             pos, delta, keywords = self._images(toks, segs, images)
             next_pos, extras = lens + delta, {"extras": keywords}  # decode: text position + delta (M-RoPE)
-        pre = self._prefill(self._weights, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs), record=record,
-                            **extras)
-        logits, cache = pre[:2]
+        args = (self._weights, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs))
+        rest = (jnp.asarray(next_pos), key, jnp.asarray(stops), jnp.asarray(np.repeat(row_max, n)))
+        if self.concurrent_compile and self.mesh is None and not extras and self._programs.applies(self._weights):
+            pre, out = self._programs.run(*args, *rest, params, M, record)
+        else:
+            pre = self._prefill(*args, record=record, **extras)
+            out = self._decode(self._weights, *pre[:2], *rest, params=params, max_new=M)
         self.prefill_rows += B
-        out = self._decode(self._weights, logits, cache, jnp.asarray(next_pos), key, jnp.asarray(stops),
-                           jnp.asarray(np.repeat(row_max, n)), params=params, max_new=M)
         out_tok, out_lp, lengths = (np.asarray(x) for x in jax.device_get(out[:3]))
         last = out_tok[np.arange(len(lengths)), lengths - 1]
         reasons = ["stop" if (s == t).any() else "length" for s, t in zip(stops, last)]

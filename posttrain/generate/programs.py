@@ -1,0 +1,125 @@
+"""`Sampler.generate`'s programs for a new shape, compiled concurrently (the first call's compile time, #56).
+
+What: the prefill, then the decode as one program a cache phase. The first decode program does the n-fold repeat of
+the prefill's cache, the first sampled token, the loops' carry and the first phase's `lax.while_loop`; each later
+phase is a `grow` of the cache to its size (a small program of its own) and then that phase's while_loop, whose
+carry (the cache included) is donated: the loop runs in place, and nothing is copied that the one-program decode
+(`Sampler._decode`) does not copy. The ops are that decode's (`Sampler._decode_init`, `_decode_phase`); only the
+program boundaries move, so the tokens and log-probs are the same.
+Why: XLA compiles a program on one thread, and the one-program decode holds every phase's loop body, each with its
+own copy of the layers (llama3-1b: 4 phases x 16 unrolled layers, most of a 45-51 s first call on a TPU v5e).
+XLA's compile releases the GIL, so programs compiled in threads compile in parallel.
+How: each program's input shapes are the previous program's traced outputs (nothing runs). Each is traced and
+lowered in the calling thread (tracing holds the GIL) and handed at once to a thread pool to compile, so the
+compiles overlap each other and the tracing of the next programs. The `Compiled` programs are kept by key (the
+arguments' shapes, dtypes and shardings, the SamplingParams, max_new_tokens, record); a later call with the key
+runs them directly. The persistent compilation cache still applies (`.compile()` goes through it).
+What it is not: multi-turn (`begin` / `extend`), image prompts or a mesh: those keep one prefill and one decode
+program (`Sampler.concurrent_compile = False` makes `generate` do so too).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+
+import jax
+
+from posttrain.generate.shapes import grow, phase_sizes
+from posttrain.models import scan
+
+
+def compile_lowered(lowered):
+    """XLA's compile of one lowered program (run in a pool thread; tests patch this to watch the threads)."""
+    return lowered.compile()
+
+
+def _first(s, weights, logits, cache, next_pos, key, stop, max_new_row, *, params, max_new):
+    """The n-fold repeat of the prefill's cache, the first token, the carry and the first phase's loop. Returns
+    (carry, the slot decode step 1 writes, the stacked layer weights of a scanned model or None)."""
+    s.traces["decode"] += 1
+    model, head = s._merge(weights)
+    logits, cache, next_pos = s._repeat(logits, cache, next_pos, params.n)
+    P, start = cache.size, cache.index
+    stack = scan.stack(model) if s._scan else None  # the weights stacked once for every phase (scan.py)
+    carry = s._decode_init(logits, cache, next_pos, key, stop, max_new_row, params, max_new, None)
+    if max_new > 1:  # one new token is the prefill's: no decode step
+        size = phase_sizes(P, max_new)[0]
+        carry = carry[:3] + (grow(carry[3], size),) + carry[4:]
+        carry = s._decode_phase(model, head, stack, carry, start, size, P, key, stop, max_new_row, params, max_new,
+                                None)
+    return carry, start, None if stack is None else stack.leaves
+
+
+def _phase(s, weights, carry, start, leaves, key, stop, max_new_row, *, params, max_new, prompt):
+    """A later phase's while_loop over the carry's cache (already grown to the phase's size)."""
+    s.traces["decode_phase"] += 1
+    model, head = s._merge(weights)
+    stack = None if leaves is None else scan.stack(model)._replace(leaves=leaves)  # (the unused stacking is dropped)
+    return s._decode_phase(model, head, stack, carry, start, carry[3].size, prompt, key, stop, max_new_row, params,
+                           max_new, None)
+
+
+def _signature(tree):
+    """What selects a compiled program among arguments: the tree's structure and each leaf's shape, dtype, sharding."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
+
+
+class Programs:
+    """A Sampler's compiled `generate` programs by key; `run` compiles a new key's concurrently."""
+
+    def __init__(self, sampler):
+        s = self.sampler = sampler
+        self.first = jax.jit(functools.partial(_first, s), static_argnames=("params", "max_new"))
+        self.grow = jax.jit(grow, static_argnames=("size",))
+        self.phase = jax.jit(functools.partial(_phase, s), static_argnames=("params", "max_new", "prompt"),
+                             donate_argnums=(1,))
+        self.compiled = {}
+        self.counts = collections.Counter()  # programs lowered / compiled so far
+
+    @staticmethod
+    def applies(weights) -> bool:
+        """Whether one device holds the weights (a Compiled takes arguments only where it was compiled for them;
+        weights sharded over several devices, a mesh's, keep the one-program path)."""
+        return len({d for x in jax.tree.leaves(weights) for d in x.sharding.device_set}) == 1
+
+    def run(self, weights, toks, pos, segs, next_pos, key, stop, max_new_row, params, max_new, record):
+        """generate's prefill and decode: (the prefill's outputs, (tokens, logprobs, lengths, routes or None))."""
+        args = (weights, toks, pos, segs, next_pos, key, stop, max_new_row)
+        sig = (_signature(args), params, max_new, record)
+        if sig not in self.compiled:
+            self.compiled[sig] = self._build(args, params, max_new, record)
+        prefill, first, phases = self.compiled[sig]
+        pre = prefill(weights, toks, pos, segs)
+        carry, start, leaves = first(weights, pre[0], pre[1], next_pos, key, stop, max_new_row)
+        for grow_one, phase in phases:
+            carry = carry[:3] + (grow_one(carry[3]),) + carry[4:]  # the smaller cache is freed here
+            carry = phase(weights, carry, start, leaves, key, stop, max_new_row)  # the carry is donated
+        return pre, (carry[5], carry[6], carry[7], carry[9])
+
+    def _build(self, args, params, max_new, record):
+        """Trace and lower every program here, each compiled in a pool thread as soon as it is lowered."""
+        weights, toks, pos, segs, next_pos, key, stop, max_new_row = args
+        P = toks.shape[1]
+        later = phase_sizes(P, max_new)[1:] if max_new > 1 else []
+        futures = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2 + 2 * len(later)) as pool:
+
+            def submit(traced):
+                lowered = traced.lower()
+                self.counts["lowered"] += 1
+                futures.append(pool.submit(compile_lowered, lowered))
+                return traced.out_info
+
+            pre = submit(self.sampler._prefill.trace(weights, toks, pos, segs, record=record))
+            carry, start, leaves = submit(self.first.trace(weights, pre[0], pre[1], next_pos, key, stop, max_new_row,
+                                                           params=params, max_new=max_new))
+            for size in later:
+                cache = submit(self.grow.trace(carry[3], size=size))
+                carry = submit(self.phase.trace(weights, carry[:3] + (cache,) + carry[4:], start, leaves, key, stop,
+                                                max_new_row, params=params, max_new=max_new, prompt=P))
+            done = [f.result() for f in futures]
+        self.counts["compiled"] += len(done)
+        return done[0], done[1], list(zip(done[2::2], done[3::2]))

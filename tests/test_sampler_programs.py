@@ -1,0 +1,94 @@
+"""generate/programs.py: a new shape's prefill and decode phases compiled as separate programs, concurrently.
+
+The reference is the one-program decode (`Sampler.concurrent_compile = False`, what begin/extend and image prompts
+run): the split moves program boundaries only, so tokens, log-probs, lengths and routes are bitwise equal."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from posttrain.generate import Sampler, SamplingParams, programs
+from posttrain.generate.shapes import phase_sizes
+from posttrain.models import Transformer, preset
+
+TINY = dict(vocab_size=97, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+NEW = 130  # 4 cache phases after a 16-token bucket: the first program and 3 later ones
+LIMITS = [60, 40, NEW]  # per-row max_new_tokens
+
+
+def _model(kind):
+    if kind == "moe":
+        cfg = preset("demo-tiny", vocab_size=97, num_experts=4, experts_per_token=2, expert_mlp_dim=16)
+    else:
+        cfg = preset("tiny-llama", **TINY, scan_layers=kind == "scan")
+    return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def _prompts(seed=0, lengths=(9, 5, 13)):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 97, n).tolist() for n in lengths]
+
+
+def _generate(s, split, prompts, params, **kw):
+    s.concurrent_compile = split
+    return s.generate(prompts, params, key=jax.random.key(4), max_new_tokens=LIMITS, **kw)
+
+
+def _equal(got, ref):
+    np.testing.assert_array_equal(got.tokens, ref.tokens)
+    np.testing.assert_array_equal(got.logprobs, ref.logprobs)  # bitwise: the same ops
+    np.testing.assert_array_equal(got.lengths, ref.lengths)
+    assert got.finish_reasons == ref.finish_reasons
+    for a, b in ((got.routes, ref.routes), (got.prompt_routes, ref.prompt_routes)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["llama", "scan", "moe"])
+def test_split_programs_equal_the_one_program_decode(kind):
+    s = Sampler(_model(kind), max_len=16 + NEW)
+    assert len(phase_sizes(16, NEW)) == 4 and s._scan == (kind == "scan")
+    prompts, record = _prompts(), kind == "moe"
+    greedy = SamplingParams(max_new_tokens=NEW, temperature=0.0, record_routes=record)
+    probe = _generate(s, False, prompts, greedy, stop_ids=[[], [], []])
+    stops = [[int(probe.tokens[0, 10])], [], []]  # row 0 stops at a token it samples greedily
+    ref = _generate(s, False, prompts, greedy, stop_ids=stops)
+    assert ref.finish_reasons == ["stop", "length", "length"] and ref.lengths[0] <= 11
+    assert list(ref.lengths[1:]) == [40, NEW]  # row 2 runs through the 4 phases
+    lowered = s._programs.counts["lowered"]
+    _equal(_generate(s, True, prompts, greedy, stop_ids=stops), ref)
+    assert s._programs.counts["lowered"] == lowered + 8  # prefill, first, 3 x (grow, phase): the split ran
+    sampled = SamplingParams(max_new_tokens=NEW, temperature=1.0, n=2, stop_ids=(5, 17, 33), record_routes=record)
+    ref = _generate(s, False, prompts, sampled)
+    assert "stop" in ref.finish_reasons and (ref.lengths <= np.repeat(LIMITS, 2)).all()
+    _equal(_generate(s, True, prompts, sampled), ref)
+    if record:
+        assert (ref.routes[:, 0] >= 0).all()
+
+
+def test_programs_compile_at_the_same_time_and_once(monkeypatch):
+    """Each compile waits at a barrier for all 8 programs: compiled one after another, the first would wait alone and
+    the barrier would break (BrokenBarrierError) after its timeout. A second call of the same shapes compiles
+    nothing."""
+    barrier, threads = threading.Barrier(8, timeout=60), []
+    real = programs.compile_lowered
+
+    def compile_together(lowered):
+        threads.append(threading.get_ident())
+        barrier.wait()
+        return real(lowered)
+
+    monkeypatch.setattr(programs, "compile_lowered", compile_together)
+    s = Sampler(_model("llama"), max_len=16 + NEW)
+    params = SamplingParams(max_new_tokens=NEW, temperature=1.0, n=2)
+    s.generate(_prompts(0), params)
+    assert len(threads) == len(set(threads)) == 8 and threading.get_ident() not in threads
+    assert s.traces["prefill"] == 1 and s.traces["decode"] == 1 and s.traces["decode_phase"] == 3
+    before, counts = dict(s.traces), dict(s._programs.counts)
+    out = s.generate(_prompts(1, (16, 3, 7)), params, key=jax.random.key(9))  # other prompts, the same bucket
+    assert len(threads) == 8 and dict(s.traces) == before and dict(s._programs.counts) == counts
+    assert out.tokens.shape == (6, NEW) and counts == {"lowered": 8, "compiled": 8}
