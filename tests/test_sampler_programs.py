@@ -1,7 +1,8 @@
 """generate/programs.py: a new shape's prefill and decode phases compiled as separate programs, concurrently.
 
-The reference is the one-program decode (`Sampler.concurrent_compile = False`, what begin/extend and image prompts
-run): the split moves program boundaries only, so tokens, log-probs, lengths and routes are bitwise equal."""
+The reference is the one-program decode (`Sampler.concurrent_compile = False`, what begin/extend, image prompts and,
+by default, a CPU run): the split moves program boundaries only, so tokens, log-probs, lengths and routes are bitwise
+equal. The tests set `concurrent_compile = True` (the default, None, keeps a CPU on one program)."""
 
 import threading
 
@@ -71,10 +72,12 @@ def test_split_programs_equal_the_one_program_decode(kind):
 
 
 def test_programs_compile_at_the_same_time_and_once(monkeypatch):
-    """Each compile waits at a barrier for all 8 programs: compiled one after another, the first would wait alone and
-    the barrier would break (BrokenBarrierError) after its timeout. A second call of the same shapes compiles
-    nothing."""
-    barrier, threads = threading.Barrier(8, timeout=60), []
+    """Each compile waits at a barrier for all 4 programs (70 new tokens: 2 cache phases, so prefill, first, grow,
+    phase): compiled one after another, the first would wait alone and the barrier would break (BrokenBarrierError)
+    after its timeout. A second call of the same shapes compiles nothing."""
+    new = 70
+    assert len(phase_sizes(16, new)) == 2
+    barrier, threads = threading.Barrier(4, timeout=60), []
     real = programs.compile_lowered
 
     def compile_together(lowered):
@@ -83,12 +86,13 @@ def test_programs_compile_at_the_same_time_and_once(monkeypatch):
         return real(lowered)
 
     monkeypatch.setattr(programs, "compile_lowered", compile_together)
-    s = Sampler(_model("llama"), max_len=16 + NEW)
-    params = SamplingParams(max_new_tokens=NEW, temperature=1.0, n=2)
+    s = Sampler(_model("llama"), max_len=16 + new)
+    s.concurrent_compile = True  # (None, the default, is False on a CPU)
+    params = SamplingParams(max_new_tokens=new, temperature=1.0, n=2)
     s.generate(_prompts(0), params)
-    assert len(threads) == len(set(threads)) == 8 and threading.get_ident() not in threads
-    assert s.traces["prefill"] == 1 and s.traces["decode"] == 1 and s.traces["decode_phase"] == 3
+    assert len(threads) == len(set(threads)) == 4 and threading.get_ident() not in threads
+    assert s.traces["prefill"] == 1 and s.traces["decode"] == 1 and s.traces["decode_phase"] == 1
     before, counts = dict(s.traces), dict(s._programs.counts)
     out = s.generate(_prompts(1, (16, 3, 7)), params, key=jax.random.key(9))  # other prompts, the same bucket
-    assert len(threads) == 8 and dict(s.traces) == before and dict(s._programs.counts) == counts
-    assert out.tokens.shape == (6, NEW) and counts == {"lowered": 8, "compiled": 8}
+    assert len(threads) == 4 and dict(s.traces) == before and dict(s._programs.counts) == counts
+    assert out.tokens.shape == (6, new) and counts == {"lowered": 4, "compiled": 4}

@@ -6,16 +6,16 @@ phase is a `grow` of the cache to its size (a small program of its own) and then
 carry (the cache included) is donated: the loop runs in place, and nothing is copied that the one-program decode
 (`Sampler._decode`) does not copy. The ops are that decode's (`Sampler._decode_init`, `_decode_phase`); only the
 program boundaries move, so the tokens and log-probs are the same.
-Why: XLA compiles a program on one thread, and the one-program decode holds every phase's loop body, each with its
-own copy of the layers (llama3-1b: 4 phases x 16 unrolled layers, most of a 45-51 s first call on a TPU v5e).
-XLA's compile releases the GIL, so programs compiled in threads compile in parallel.
+Why: the one-program decode holds every phase's loop body, each with its own copy of the layers (llama3-1b: 4 phases
+x 16 unrolled layers, most of a 45-51 s first call on a TPU v5e), compiled as one program; XLA's compile releases
+the GIL, so programs compiled in threads use more of a TPU host's cores (13 on a v5e one-chip host).
 How: each program's input shapes are the previous program's traced outputs (nothing runs). Each is traced and
 lowered in the calling thread (tracing holds the GIL) and handed at once to a thread pool to compile, so the
 compiles overlap each other and the tracing of the next programs. The `Compiled` programs are kept by key (the
 arguments' shapes, dtypes and shardings, the SamplingParams, max_new_tokens, record); a later call with the key
 runs them directly. The persistent compilation cache still applies (`.compile()` goes through it).
 What it is not: multi-turn (`begin` / `extend`), image prompts or a mesh: those keep one prefill and one decode
-program (`Sampler.concurrent_compile = False` makes `generate` do so too).
+program, and so does `generate` on a CPU unless `Sampler.concurrent_compile` is True (`Programs.applies`).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import functools
 
 import jax
 
-from posttrain.generate.shapes import grow, phase_sizes
+from posttrain.generate.shapes import grow, phase_sizes, repeat_rows
 from posttrain.models import scan
 
 
@@ -40,7 +40,7 @@ def _first(s, weights, logits, cache, next_pos, key, stop, max_new_row, *, param
     (carry, the slot decode step 1 writes, the stacked layer weights of a scanned model or None)."""
     s.traces["decode"] += 1
     model, head = s._merge(weights)
-    logits, cache, next_pos = s._repeat(logits, cache, next_pos, params.n)
+    logits, cache, next_pos = repeat_rows(logits, cache, next_pos, params.n)
     P, start = cache.size, cache.index
     stack = scan.stack(model) if s._scan else None  # the weights stacked once for every phase (scan.py)
     carry = s._decode_init(logits, cache, next_pos, key, stop, max_new_row, params, max_new, None)
@@ -80,10 +80,13 @@ class Programs:
         self.counts = collections.Counter()  # programs lowered / compiled so far
 
     @staticmethod
-    def applies(weights) -> bool:
-        """Whether one device holds the weights (a Compiled takes arguments only where it was compiled for them;
-        weights sharded over several devices, a mesh's, keep the one-program path)."""
-        return len({d for x in jax.tree.leaves(weights) for d in x.sharding.device_set}) == 1
+    def applies(flag, weights) -> bool:
+        """flag: `Sampler.concurrent_compile`; None = on any backend but the CPU, whose XLA already spreads one
+        program's compile over the cores (measured: the split no faster on 2 cores, 45 % slower on one: each program
+        compiles its own kernels). And one device must hold the weights (a Compiled takes arguments only where it was
+        compiled for them; weights sharded over a mesh's devices keep the one-program path)."""
+        on = jax.default_backend() != "cpu" if flag is None else flag
+        return on and len({d for x in jax.tree.leaves(weights) for d in x.sharding.device_set}) == 1
 
     def run(self, weights, toks, pos, segs, next_pos, key, stop, max_new_row, params, max_new, record):
         """generate's prefill and decode: (the prefill's outputs, (tokens, logprobs, lengths, routes or None))."""

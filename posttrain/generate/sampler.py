@@ -9,7 +9,8 @@ whose prompts share a bucket reuse one compiled prefill and decode; `n` samples 
 share one prefill (its cache is repeated n times on device); the decode loop, sampling
 included, is a `lax.while_loop` that exits early once every row has stopped; the cache is
 [B, K, S, H], starts at the prompt bucket and grows in a few phases (one while_loop each), so
-attention reads about the filled slots only; RoPE tables are computed once per call.
+attention reads about the filled slots only; RoPE tables are computed once a phase. `generate` compiles a new
+shape's prefill and each decode phase as programs of their own, in parallel threads (generate/programs.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ from posttrain.generate.shapes import (  # noqa: F401 (re-exported)
     SLOT_STEP,
     default_buckets,
     grow,
+    is_stop,
     phase_sizes,
+    push,
+    repeat_rows,
     round_up,
     stop_sequence_array,
 )
@@ -78,23 +82,10 @@ class Turn:
         return len(self.lengths)
 
 
-def _is_stop(tok, hist, stop, seqs):
-    """Rows whose token is one of their stop ids [R, W] (-1 = none), or whose last tokens `hist` match a stop
-    sequence of `seqs` [Q, L] (right-aligned, -1 = any token; None: none)."""
-    hit = jnp.any(tok[:, None] == stop, axis=-1)
-    if seqs is not None:
-        hit = hit | jnp.any(jnp.all((seqs[None] < 0) | (hist[:, None] == seqs[None]), axis=-1), axis=-1)
-    return hit
-
-
-def _push(hist, tok):  # the last L sampled tokens of each row (stop sequences only)
-    return None if hist is None else jnp.concatenate([hist[:, 1:], tok[:, None]], axis=1)
-
-
 class Sampler:
-    # generate: compile a new shape's prefill and decode phases as separate programs, concurrently
-    # (generate/programs.py); False: one prefill and one decode program, as begin/extend and image prompts do
-    concurrent_compile = True
+    # generate: compile a new shape's prefill and decode phases as separate programs, concurrently (programs.py);
+    # False: one prefill and one decode program, as begin/extend and image prompts do; None: True but on a CPU
+    concurrent_compile: Optional[bool] = None
 
     def __init__(self, model: Transformer, *, max_len: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, pad_id: int = 0, mesh=None, rules=None,
@@ -195,21 +186,10 @@ class Sampler:
         with use_mesh(self.mesh, self.rules):
             self.traces["decode"] += 1
             model, head = self._merge(state)
-            logits, cache, next_pos = self._repeat(logits, cache, next_pos, params.n)
+            logits, cache, next_pos = repeat_rows(logits, cache, next_pos, params.n)
             out = self._decode_loop(model, logits, cache, next_pos, key, stop, max_new_row, params, max_new,
                                     head=head)
             return out[:3] + out[4:]  # tokens, logprobs, lengths (, routes)
-
-    @staticmethod
-    def _repeat(logits, cache, next_pos, n):
-        """Each prompt's prefill shared by its n samples: its logits, cache and next position repeated n times."""
-        if n == 1:
-            return logits, cache, next_pos
-        rep = functools.partial(jnp.repeat, repeats=n, axis=0)
-        cache = dataclasses.replace(cache.map_kv(lambda x, a: jnp.repeat(x, n, axis=a)), pos=rep(cache.pos),
-                                    branch=None if cache.branch is None else rep(cache.branch),
-                                    linear=jax.tree.map(rep, cache.linear))  # Gated DeltaNet states
-        return rep(logits), cache, rep(next_pos)
 
     def _decode_loop(self, model, logits, cache, next_pos, key, stop, max_new_row, params, max_new, seqs=None,
                      phases=True, head=None):
@@ -234,10 +214,10 @@ class Sampler:
         """The first sampled token (from the prefill's logits) and the decode loops' carry."""
         R = logits.shape[0]
         tok, lp = select(logits, jax.random.fold_in(key, 0), params)
-        hist = None if seqs is None else _push(jnp.full((R, seqs.shape[1]), -1, jnp.int32), tok)
+        hist = None if seqs is None else push(jnp.full((R, seqs.shape[1]), -1, jnp.int32), tok)
         out_tok = jnp.full((R, max_new), self.pad_id, jnp.int32).at[:, 0].set(tok)
         out_lp = jnp.zeros((R, max_new), jnp.float32).at[:, 0].set(lp)
-        done = _is_stop(tok, hist, stop, seqs) | (max_new_row <= 1)
+        done = is_stop(tok, hist, stop, seqs) | (max_new_row <= 1)
         moe_layers = sum(self.cfg.is_moe_layer(i) for i in range(self.cfg.num_layers))
         routes = (jnp.full((R, max_new, moe_layers, self.cfg.experts_per_token), -1, jnp.int32)
                   if params.record_routes else None)
@@ -268,8 +248,8 @@ class Sampler:
             out_tok = jax.lax.dynamic_update_slice(out_tok, new[:, None], (0, i))
             out_lp = jax.lax.dynamic_update_slice(out_lp, lp[:, None], (0, i))
             lengths = lengths + (~done).astype(jnp.int32)
-            hist = _push(hist, new)
-            done = done | _is_stop(new, hist, stop, seqs) | (i + 1 >= max_new_row)
+            hist = push(hist, new)
+            done = done | is_stop(new, hist, stop, seqs) | (i + 1 >= max_new_row)
             return i + 1, new, pos + 1, out.cache, done, out_tok, out_lp, lengths, hist, routes
 
         last = size - start + 1  # steps this phase's cache can hold
@@ -370,7 +350,7 @@ class Sampler:
             next_pos, extras = lens + delta, {"extras": keywords}  # decode: text position + delta (M-RoPE)
         args = (self._weights, jnp.asarray(toks), jnp.asarray(pos), jnp.asarray(segs))
         rest = (jnp.asarray(next_pos), key, jnp.asarray(stops), jnp.asarray(np.repeat(row_max, n)))
-        if self.concurrent_compile and self.mesh is None and not extras and self._programs.applies(self._weights):
+        if self.mesh is None and not extras and self._programs.applies(self.concurrent_compile, self._weights):
             pre, out = self._programs.run(*args, *rest, params, M, record)
         else:
             pre = self._prefill(*args, record=record, **extras)

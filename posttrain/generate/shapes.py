@@ -1,5 +1,6 @@
 """The Sampler's compiled shapes: the prompt buckets, the decode phases the KV cache grows through (`phase_sizes`,
-`grow`), the block and slot steps of multi-turn sampling, and the stop-sequence array.
+`grow`), the n-fold repeat of a prefill's rows (`repeat_rows`), the block and slot steps of multi-turn sampling, and the
+stop tests (`is_stop`, `push`, the stop-sequence array).
 
 What it is: small pure helpers `generate/sampler.py` uses (and re-exports); what it is not: any jitted function.
 """
@@ -7,8 +8,10 @@ What it is: small pure helpers `generate/sampler.py` uses (and re-exports); what
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -40,6 +43,31 @@ def grow(cache: KVCache, size: int) -> KVCache:
 
     return dataclasses.replace(cache.map_kv(lambda x, a: pad(x, 0, a + 2)), pos=pad(cache.pos, -1, axis=1),
                                branch=None if cache.branch is None else pad(cache.branch, 0, axis=1))
+
+
+def repeat_rows(logits, cache: KVCache, next_pos, n: int):
+    """Each prompt's prefill shared by its n samples: its logits, cache and next position repeated n times."""
+    if n == 1:
+        return logits, cache, next_pos
+    rep = functools.partial(jnp.repeat, repeats=n, axis=0)
+    cache = dataclasses.replace(cache.map_kv(lambda x, a: jnp.repeat(x, n, axis=a)), pos=rep(cache.pos),
+                                branch=None if cache.branch is None else rep(cache.branch),
+                                linear=jax.tree.map(rep, cache.linear))  # Gated DeltaNet states
+    return rep(logits), cache, rep(next_pos)
+
+
+def is_stop(tok, hist, stop, seqs):
+    """Rows whose token is one of their stop ids [R, W] (-1 = none), or whose last tokens `hist` match a stop
+    sequence of `seqs` [Q, L] (right-aligned, -1 = any token; None: none)."""
+    hit = jnp.any(tok[:, None] == stop, axis=-1)
+    if seqs is not None:
+        hit = hit | jnp.any(jnp.all((seqs[None] < 0) | (hist[:, None] == seqs[None]), axis=-1), axis=-1)
+    return hit
+
+
+def push(hist, tok):
+    """The last L sampled tokens of each row, `tok` appended (stop sequences only; None without)."""
+    return None if hist is None else jnp.concatenate([hist[:, 1:], tok[:, None]], axis=1)
 
 
 def round_up(x: int, step: int) -> int:
