@@ -89,7 +89,7 @@ class Programs:
         return on and len({d for x in jax.tree.leaves(weights) for d in x.sharding.device_set}) == 1
 
     def run(self, weights, toks, pos, segs, next_pos, key, stop, max_new_row, params, max_new, record):
-        """generate's prefill and decode: (the prefill's outputs, (tokens, logprobs, lengths, routes or None))."""
+        """generate's prefill and decode: ((None, None[, the prompts' routes]), (tokens, logprobs, lengths, routes))."""
         args = (weights, toks, pos, segs, next_pos, key, stop, max_new_row)
         sig = (_signature(args), params, max_new, record)
         if sig not in self.compiled:
@@ -97,6 +97,7 @@ class Programs:
         prefill, first, phases = self.compiled[sig]
         pre = prefill(weights, toks, pos, segs)
         carry, start, leaves = first(weights, pre[0], pre[1], next_pos, key, stop, max_new_row)
+        pre = (None, None) + tuple(pre[2:])  # the prefill's cache is freed once the first program has it
         for grow_one, phase in phases:
             carry = carry[:3] + (grow_one(carry[3]),) + carry[4:]  # the smaller cache is freed here
             carry = phase(weights, carry, start, leaves, key, stop, max_new_row)  # the carry is donated
