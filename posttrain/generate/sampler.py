@@ -9,7 +9,7 @@ whose prompts share a bucket reuse one compiled prefill and decode; `n` samples 
 share one prefill (its cache is repeated n times on device); the decode loop, sampling
 included, is a `lax.while_loop` that exits early once every row has stopped; the cache is
 [B, K, S, H], starts at the prompt bucket and grows in a few phases (one while_loop each), so
-attention reads about the filled slots only; RoPE tables are computed once a phase. `generate` compiles a new
+attention reads about the filled slots only; RoPE tables are computed once per program. `generate` compiles a new
 shape's prefill and each decode phase as programs of their own, in parallel threads (generate/programs.py).
 """
 
@@ -200,6 +200,7 @@ class Sampler:
         (else it must already hold them: one loop). Returns (tokens, logprobs, lengths, cache, routes)."""
         P, start = cache.size, cache.index  # start: the slot decode step 1 writes (P after a prefill)
         stack = scan.stack(model) if self._scan else None  # the weights stacked once for every step (scan.py)
+        ropes = model.rope_tables(P + max_new)  # once for every phase
         carry = self._decode_init(logits, cache, next_pos, key, stop, max_new_row, params, max_new, seqs)
         # Step i writes cache slot start + i - 1. The cache grows in phases, so attention (which reads
         # every slot of the cache) reads about the filled part only: one while_loop per phase. One new token
@@ -207,7 +208,7 @@ class Sampler:
         for size in (phase_sizes(P, max_new) if phases else (P,)) if max_new > 1 else ():
             carry = carry[:3] + (grow(carry[3], size),) + carry[4:]
             carry = self._decode_phase(model, head, stack, carry, start, size, P, key, stop, max_new_row, params,
-                                       max_new, seqs)
+                                       max_new, seqs, ropes)
         return carry[5], carry[6], carry[7], carry[3], carry[9]  # tokens, logprobs, lengths, cache, routes
 
     def _decode_init(self, logits, cache, next_pos, key, stop, max_new_row, params, max_new, seqs):
@@ -224,9 +225,10 @@ class Sampler:
         return jnp.int32(1), tok, next_pos, cache, done, out_tok, out_lp, jnp.ones((R,), jnp.int32), hist, routes
 
     def _decode_phase(self, model, head, stack, carry, start, size, P, key, stop, max_new_row, params, max_new,
-                      seqs):
-        """One phase's while_loop of decode steps over the carry's cache of `size` slots (P: the prompt bucket)."""
-        ropes = model.rope_tables(P + max_new)  # every position is < prompt bucket + max_new
+                      seqs, ropes=None):
+        """One phase's while_loop of decode steps over the carry's cache of `size` slots (P: the prompt bucket);
+        ropes: the RoPE tables of positions < P + max_new (None: computed here, a program of one phase)."""
+        ropes = model.rope_tables(P + max_new) if ropes is None else ropes  # every position is < P + max_new
         record = params.record_routes
 
         def body(c):
