@@ -207,6 +207,7 @@ def sample(B, P, N):
     out, first, times = timed(lambda: sampler.generate(prompts, params, key=jax.random.key(0)), args.steps)
     assert (np.asarray(out.lengths) == N).all()
     s = statistics.median(times)
+    programs = sampler._programs.last_build  # the first call's timeline: each program lowered / compiled (programs.py)
     # the same prompts with one new token: the prefill's program alone (no decode step is compiled), so the
     # decode step is (call - prefill call) / (N - 1)
     one = SamplingParams(max_new_tokens=1, temperature=0.0)
@@ -221,7 +222,7 @@ def sample(B, P, N):
     kv_mean = B * (P + N / 2) * kv_tok  # the filled cache, averaged over the decode steps
     need = (w + kv_mean) / (args.hbm_gbs * 1e9)
     return {"batch": B, "prompt": P, "new": N, "kv_dtype": kv_dt.name, "call_s": s, "first_call_s": first,
-            "new_tok_s": B * N / s,
+            "first_call_programs": programs, "new_tok_s": B * N / s,
             "decode_step_s_upper": s / N, "bytes_weights": w, "bytes_kv_mean": kv_mean, "bandwidth_step_s": need,
             "bandwidth_fraction_upper_bound": need / (s / N), "prefill_call_s": s1, "decode_step_s": step,
             "bandwidth_fraction": need / step,
@@ -281,13 +282,23 @@ def grpo(P, G, L, N, remat):
         return t1 - t
 
     _, first, times = timed(run, args.steps)
+    # the steps as train.loop runs them: nothing waits for an update but the next rollout's generate (its tokens
+    # come back to the host), so the host's work before the generate overlaps the update on the chip. The steps'
+    # mean = the wall time of k steps, the last update's wait included / k (Tunix's figure: the wall time of
+    # each of its global steps, in its own loop)
+    k, t0 = args.steps + 1, time.perf_counter()
+    for _ in range(k):
+        box[0], m = parts.step(box[0], place_batch(rollout(box[0])))
+    jax.block_until_ready((box[0], m))
+    loop_s = (time.perf_counter() - t0) / k
     tokens = P * trainer.length
     u = statistics.median(upd[1:])
     # the state after the last step (the one before it was donated)
     mem = xla_memory(parts.raw_step, box[0], last[0], parts.frozen)
     p = plan(cfg, batch=P, seq_len=trainer.length, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat)
     return {"prompts": P, "generations": G, "prompt_len": L, "new": N, "remat": remat, "row_tokens": trainer.length,
-            "step_s": statistics.median(times), "first_step_s": first, "generate_s": statistics.median(gens[1:]),
+            "step_s": statistics.median(times), "loop_step_s": loop_s, "loop_steps": k, "first_step_s": first,
+            "generate_s": statistics.median(gens[1:]),
             "update_s": u, "update_tok_s": tokens / u, "step_times": [round(t, 3) for t in times],
             "update_model_flops_s": flops_per_token(cfg, trainer.length) * tokens / u,
             "rollout_dtype": args.rollout_dtype or args.dtype, "is_mode": args.is_mode,

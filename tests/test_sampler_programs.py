@@ -62,7 +62,7 @@ def test_split_programs_equal_the_one_program_decode(kind):
     assert list(ref.lengths[1:]) == [40, NEW]  # row 2 runs through the 4 phases
     lowered = s._programs.counts["lowered"]
     _equal(_generate(s, True, prompts, greedy, stop_ids=stops), ref)
-    assert s._programs.counts["lowered"] == lowered + 8  # prefill, first, 3 x (grow, phase): the split ran
+    assert s._programs.counts["lowered"] == lowered + 5  # prefill, first, 3 later phases: the split ran
     sampled = SamplingParams(max_new_tokens=NEW, temperature=1.0, n=2, stop_ids=(5, 17, 33), record_routes=record)
     ref = _generate(s, False, prompts, sampled)
     assert "stop" in ref.finish_reasons and (ref.lengths <= np.repeat(LIMITS, 2)).all()
@@ -72,12 +72,12 @@ def test_split_programs_equal_the_one_program_decode(kind):
 
 
 def test_programs_compile_at_the_same_time_and_once(monkeypatch):
-    """Each compile waits at a barrier for all 4 programs (70 new tokens: 2 cache phases, so prefill, first, grow,
-    phase): compiled one after another, the first would wait alone and the barrier would break (BrokenBarrierError)
-    after its timeout. A second call of the same shapes compiles nothing."""
+    """Each compile waits at a barrier for all 3 programs (70 new tokens: 2 cache phases, so prefill, first, and the
+    second phase): compiled one after another, the first would wait alone and the barrier would break
+    (BrokenBarrierError) after its timeout. A second call of the same shapes compiles nothing."""
     new = 70
     assert len(phase_sizes(16, new)) == 2
-    barrier, threads = threading.Barrier(4, timeout=60), []
+    barrier, threads = threading.Barrier(3, timeout=60), []
     real = programs.compile_lowered
 
     def compile_together(lowered):
@@ -90,9 +90,9 @@ def test_programs_compile_at_the_same_time_and_once(monkeypatch):
     s.concurrent_compile = True  # (None, the default, is False on a CPU)
     params = SamplingParams(max_new_tokens=new, temperature=1.0, n=2)
     s.generate(_prompts(0), params)
-    assert len(threads) == len(set(threads)) == 4 and threading.get_ident() not in threads
+    assert len(threads) == len(set(threads)) == 3 and threading.get_ident() not in threads
     assert s.traces["prefill"] == 1 and s.traces["decode"] == 1 and s.traces["decode_phase"] == 1
     before, counts = dict(s.traces), dict(s._programs.counts)
     out = s.generate(_prompts(1, (16, 3, 7)), params, key=jax.random.key(9))  # other prompts, the same bucket
-    assert len(threads) == 4 and dict(s.traces) == before and dict(s._programs.counts) == counts
-    assert out.tokens.shape == (6, new) and counts == {"lowered": 4, "compiled": 4}
+    assert len(threads) == 3 and dict(s.traces) == before and dict(s._programs.counts) == counts
+    assert out.tokens.shape == (6, new) and counts == {"lowered": 3, "compiled": 3}

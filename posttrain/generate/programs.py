@@ -2,10 +2,12 @@
 
 What: the prefill, then the decode as one program a cache phase. The first decode program does the n-fold repeat of
 the prefill's cache, the first sampled token, the loops' carry and the first phase's `lax.while_loop`; each later
-phase is a `grow` of the cache to its size (a small program of its own) and then that phase's while_loop, whose
-carry (the cache included) is donated: the loop runs in place, and nothing is copied that the one-program decode
-(`Sampler._decode`) does not copy. The ops are that decode's (`Sampler._decode_init`, `_decode_phase`); only the
-program boundaries move, so the tokens and log-probs are the same.
+phase's program grows the cache to its size and runs that phase's while_loop. The carry but the cache is donated (the
+loop's outputs reuse its buffers); the smaller cache, which no output can reuse, lives until that program ends, as in
+the one-program decode (`Sampler._decode`), where old and new caches are alive together at each grow too.
+The ops are that decode's (`Sampler._decode_init`, `_decode_phase`); only the program boundaries move, so the
+tokens and log-probs are the same. (The grow was a program of its own until the ninth stop: 8 programs a call for 4
+phases, where now 5; each program is a dispatch and a host round of its own.)
 Why: the one-program decode holds every phase's loop body, each with its own copy of the layers (llama3-1b: 4 phases
 x 16 unrolled layers, most of a 45-51 s first call on a TPU v5e), compiled as one program; XLA's compile releases
 the GIL, so programs compiled in threads use more of a TPU host's cores (13 on a v5e one-chip host).
@@ -23,6 +25,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import time
 
 import jax
 
@@ -52,13 +55,16 @@ def _first(s, weights, logits, cache, next_pos, key, stop, max_new_row, *, param
     return carry, start, None if stack is None else stack.leaves
 
 
-def _phase(s, weights, carry, start, leaves, key, stop, max_new_row, *, params, max_new, prompt):
-    """A later phase's while_loop over the carry's cache (already grown to the phase's size)."""
+def _phase(s, weights, rest, cache, start, leaves, key, stop, max_new_row, *, params, max_new, prompt, size):
+    """A later phase: the cache grown to the phase's `size` slots, then that phase's while_loop. `rest` is the carry
+    without its cache (donated: its buffers are the outputs'); the smaller cache is an argument of its own, not
+    donated (no output can reuse it), freed when the caller drops it."""
     s.traces["decode_phase"] += 1
     model, head = s._merge(weights)
     stack = None if leaves is None else scan.stack(model)._replace(leaves=leaves)  # (the unused stacking is dropped)
-    return s._decode_phase(model, head, stack, carry, start, carry[3].size, prompt, key, stop, max_new_row, params,
-                           max_new, None)
+    carry = rest[:3] + (grow(cache, size),) + rest[3:]
+    return s._decode_phase(model, head, stack, carry, start, size, prompt, key, stop, max_new_row, params, max_new,
+                           None)
 
 
 def _signature(tree):
@@ -73,11 +79,11 @@ class Programs:
     def __init__(self, sampler):
         s = self.sampler = sampler
         self.first = jax.jit(functools.partial(_first, s), static_argnames=("params", "max_new"))
-        self.grow = jax.jit(grow, static_argnames=("size",))
-        self.phase = jax.jit(functools.partial(_phase, s), static_argnames=("params", "max_new", "prompt"),
+        self.phase = jax.jit(functools.partial(_phase, s), static_argnames=("params", "max_new", "prompt", "size"),
                              donate_argnums=(1,))
         self.compiled = {}
         self.counts = collections.Counter()  # programs lowered / compiled so far
+        self.last_build = None  # the last new shape's timeline (benchmarks): per program, s since the build began
 
     @staticmethod
     def applies(flag, weights) -> bool:
@@ -98,9 +104,8 @@ class Programs:
         pre = prefill(weights, toks, pos, segs)
         carry, start, leaves = first(weights, pre[0], pre[1], next_pos, key, stop, max_new_row)
         pre = (None, None) + tuple(pre[2:])  # the prefill's cache is freed once the first program has it
-        for grow_one, phase in phases:
-            carry = carry[:3] + (grow_one(carry[3]),) + carry[4:]  # the smaller cache is freed here
-            carry = phase(weights, carry, start, leaves, key, stop, max_new_row)  # the carry is donated
+        for phase in phases:  # the carry but its cache is donated; the smaller cache is freed once replaced
+            carry = phase(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop, max_new_row)
         return pre, (carry[5], carry[6], carry[7], carry[9])
 
     def _build(self, args, params, max_new, record):
@@ -108,22 +113,30 @@ class Programs:
         weights, toks, pos, segs, next_pos, key, stop, max_new_row = args
         P = toks.shape[1]
         later = phase_sizes(P, max_new)[1:] if max_new > 1 else []
-        futures = []
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2 + 2 * len(later)) as pool:
+        futures, t0, lowered_at = [], time.perf_counter(), []
+
+        def timed_compile(lowered):
+            start = time.perf_counter()
+            out = compile_lowered(lowered)
+            return out, (round(start - t0, 3), round(time.perf_counter() - t0, 3))
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2 + len(later)) as pool:
 
             def submit(traced):
                 lowered = traced.lower()
                 self.counts["lowered"] += 1
-                futures.append(pool.submit(compile_lowered, lowered))
+                lowered_at.append(round(time.perf_counter() - t0, 3))
+                futures.append(pool.submit(timed_compile, lowered))
                 return traced.out_info
 
             pre = submit(self.sampler._prefill.trace(weights, toks, pos, segs, record=record))
             carry, start, leaves = submit(self.first.trace(weights, pre[0], pre[1], next_pos, key, stop, max_new_row,
                                                            params=params, max_new=max_new))
             for size in later:
-                cache = submit(self.grow.trace(carry[3], size=size))
-                carry = submit(self.phase.trace(weights, carry[:3] + (cache,) + carry[4:], start, leaves, key, stop,
-                                                max_new_row, params=params, max_new=max_new, prompt=P))
-            done = [f.result() for f in futures]
+                carry = submit(self.phase.trace(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop,
+                                                max_new_row, params=params, max_new=max_new, prompt=P, size=size))
+            done, spans = zip(*[f.result() for f in futures])
         self.counts["compiled"] += len(done)
-        return done[0], done[1], list(zip(done[2::2], done[3::2]))
+        self.last_build = {"lowered_at": lowered_at, "compile_spans": list(spans),
+                           "build_s": round(time.perf_counter() - t0, 3)}
+        return done[0], done[1], done[2:]

@@ -28,6 +28,7 @@ What it is not: the loss (`losses/grpo.py`) or the trainer (`trainers/grpo.py`).
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import time
 import warnings
@@ -147,8 +148,7 @@ class GroupRollout:
                 good = [i for i in range(self.batch_size) if signal(total[i])]
             self._stats["dynamic_sampling/refills"].append(tries)
             self._stats["dynamic_sampling/no_signal_groups"].append(self.batch_size - len(good))
-        adv = estimate_advantages(self.advantages, total.reshape(-1, 1), None, self.n, scale=self.scale,
-                                  lengths=out.lengths)
+        adv = _advantages(self.advantages, total.reshape(-1, 1), self.n, self.scale, out.lengths)
         adv = np.nan_to_num(np.asarray(adv, np.float64)).reshape(self.batch_size, self.n)
         finite = np.isfinite(total)
         self._stats["reward/mean"].append(float(np.nanmean(total)) if finite.any() else float("nan"))
@@ -186,6 +186,24 @@ class GroupRollout:
         if self.sampler.dtype is not None or getattr(self.sampler, "kv_dtype", None) is not None:
             batch["sampler_logps"] = batch.pop("old_logps")
         return batch
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_estimator(name: str, n: int, scale: str):
+    return jax.jit(lambda r, lengths: estimate_advantages(name, r, None, n, scale=scale, lengths=lengths))
+
+
+def _advantages(name: str, total: np.ndarray, n: int, scale: str, lengths) -> np.ndarray:
+    """`estimate_advantages` of the rollout's [N, 1] weighted rewards. On a CPU op by op, as written (the CPU
+    parity and learning tests' round-off); on an accelerator as one jitted program: op by op there, each of its
+    ~30 ops is a dispatch to the chip (host time in GRPO's step, #56). An estimator a jit cannot trace (Python
+    control flow on values: a user's registered one) runs op by op there too."""
+    if jax.default_backend() != "cpu":
+        try:
+            return np.asarray(_jitted_estimator(name, n, scale)(total, lengths))
+        except jax.errors.ConcretizationTypeError:
+            pass
+    return np.asarray(estimate_advantages(name, total, None, n, scale=scale, lengths=lengths))
 
 
 def group_routes(group: list[Prompt], out, n: int, length: int) -> np.ndarray:
