@@ -36,6 +36,8 @@ ap.add_argument("--shape", default="", help="ModelConfig fields replaced, e.g. n
 ap.add_argument("--dtype", default="bfloat16", help="parameter and compute dtype: bfloat16 | float32")
 ap.add_argument("--steps", type=int, default=5, help="timed steps / calls after the first")
 ap.add_argument("--peak-flops", type=float, default=None, help="bf16 matmul FLOP/s for MFU (the peak section's)")
+ap.add_argument("--compile-workers", type=int, default=None, help="sample: the first call's compile threads "
+                "(generate/programs.py; default: one a program)")
 ap.add_argument("--profile", default=None, help="trace one more call with jax.profiler into this folder and add "
                 "the device's per-op totals to the line (profile_ops)")
 ap.add_argument("--rollout-dtype", default=None, help="grpo: the sampler's precision (rollout.dtype), e.g. bfloat16 "
@@ -93,7 +95,7 @@ def build(cfg):
     return nnx.merge(graphdef, jax.jit(lambda: nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))[1])())
 
 
-def timed(fn, n):
+def timed(fn, n, profile=True):
     t = time.perf_counter()
     out = fn()
     first = time.perf_counter() - t
@@ -102,7 +104,7 @@ def timed(fn, n):
         t = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t)
-    if args.profile:
+    if args.profile and profile:
         with jax.profiler.trace(args.profile):
             fn()
     return out, first, times
@@ -201,6 +203,7 @@ def sample(B, P, N):
     cfg = model_config()
     model = build(cfg)
     sampler = Sampler(model, max_len=P + N, kv_dtype=args.kv_dtype)
+    sampler._programs.workers = args.compile_workers  # None: every program's compile at once (programs.py)
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(3, cfg.vocab_size, P - 1).tolist() for _ in range(B)]
     params = SamplingParams(max_new_tokens=N, temperature=0.0)
@@ -211,7 +214,7 @@ def sample(B, P, N):
     # the same prompts with one new token: the prefill's program alone (no decode step is compiled), so the
     # decode step is (call - prefill call) / (N - 1)
     one = SamplingParams(max_new_tokens=1, temperature=0.0)
-    _, first1, times1 = timed(lambda: sampler.generate(prompts, one, key=jax.random.key(0)), args.steps)
+    _, first1, times1 = timed(lambda: sampler.generate(prompts, one, key=jax.random.key(0)), args.steps, profile=False)
     s1 = statistics.median(times1)
     step = (s - s1) / (N - 1)
     w = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
