@@ -54,7 +54,7 @@ if args.call:
         line[name] = round(time.perf_counter() - t, 2)
 else:
     if args.split:
-        sampler._programs._build((sampler._weights, toks, toks, toks) + rest, params, N, False).finish()
+        sampler._programs._build((sampler._weights, toks, toks, toks) + rest, params, N, False)
     else:
         traced = sampler._prefill.trace(sampler._weights, toks, toks, toks)
         traced.lower().compile()

@@ -36,8 +36,6 @@ ap.add_argument("--shape", default="", help="ModelConfig fields replaced, e.g. n
 ap.add_argument("--dtype", default="bfloat16", help="parameter and compute dtype: bfloat16 | float32")
 ap.add_argument("--steps", type=int, default=5, help="timed steps / calls after the first")
 ap.add_argument("--peak-flops", type=float, default=None, help="bf16 matmul FLOP/s for MFU (the peak section's)")
-ap.add_argument("--compile-workers", type=int, default=None, help="sample: the first call's compile threads "
-                "(generate/programs.py; default: one a program)")
 ap.add_argument("--profile", default=None, help="trace one more call with jax.profiler into this folder and add "
                 "the device's per-op totals to the line (profile_ops)")
 ap.add_argument("--rollout-dtype", default=None, help="grpo: the sampler's precision (rollout.dtype), e.g. bfloat16 "
@@ -203,7 +201,6 @@ def sample(B, P, N):
     cfg = model_config()
     model = build(cfg)
     sampler = Sampler(model, max_len=P + N, kv_dtype=args.kv_dtype)
-    sampler._programs.workers = args.compile_workers  # None: every program's compile at once (programs.py)
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(3, cfg.vocab_size, P - 1).tolist() for _ in range(B)]
     params = SamplingParams(max_new_tokens=N, temperature=0.0)
@@ -214,7 +211,8 @@ def sample(B, P, N):
     # the same prompts with one new token: the prefill's program alone (no decode step is compiled), so the
     # decode step is (call - prefill call) / (N - 1)
     one = SamplingParams(max_new_tokens=1, temperature=0.0)
-    _, first1, times1 = timed(lambda: sampler.generate(prompts, one, key=jax.random.key(0)), args.steps, profile=False)
+    _, first1, times1 = timed(lambda: sampler.generate(prompts, one, key=jax.random.key(0)), args.steps,
+                              profile=False)  # --profile traces the full call above
     s1 = statistics.median(times1)
     step = (s - s1) / (N - 1)
     w = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param)))

@@ -84,7 +84,6 @@ class Programs:
         self.compiled = {}
         self.counts = collections.Counter()  # programs lowered / compiled so far
         self.last_build = None  # the last new shape's timeline (benchmarks): per program, s since the build began
-        self.workers = None  # compile threads (None: one a program, all at once)
 
     @staticmethod
     def applies(flag, weights) -> bool:
@@ -96,77 +95,48 @@ class Programs:
         return on and len({d for x in jax.tree.leaves(weights) for d in x.sharding.device_set}) == 1
 
     def run(self, weights, toks, pos, segs, next_pos, key, stop, max_new_row, params, max_new, record):
-        """generate's prefill and decode: ((None, None[, the prompts' routes]), (tokens, logprobs, lengths, routes)).
-        A new key's programs run each as soon as its own compile is done (the later phases still compiling): the
-        chip decodes the first phases while the host compiles the rest."""
+        """generate's prefill and decode: ((None, None[, the prompts' routes]), (tokens, logprobs, lengths, routes))."""
         args = (weights, toks, pos, segs, next_pos, key, stop, max_new_row)
         sig = (_signature(args), params, max_new, record)
-        build = None if sig in self.compiled else self._build(args, params, max_new, record)
-        get = self.compiled[sig].__getitem__ if build is None else build.program
-        pre = get(0)(weights, toks, pos, segs)
-        carry, start, leaves = get(1)(weights, pre[0], pre[1], next_pos, key, stop, max_new_row)
+        if sig not in self.compiled:
+            self.compiled[sig] = self._build(args, params, max_new, record)
+        prefill, first, phases = self.compiled[sig]
+        pre = prefill(weights, toks, pos, segs)
+        carry, start, leaves = first(weights, pre[0], pre[1], next_pos, key, stop, max_new_row)
         pre = (None, None) + tuple(pre[2:])  # the prefill's cache is freed once the first program has it
-        for i in range(2, build.count if build is not None else len(self.compiled[sig])):
-            # the carry but its cache is donated; the smaller cache is freed once replaced
-            carry = get(i)(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop, max_new_row)
-        if build is not None:
-            self.compiled[sig] = build.finish()
-            self.counts["compiled"] += build.count
-            self.last_build = build.timeline
+        for phase in phases:  # the carry but its cache is donated; the smaller cache is freed once replaced
+            carry = phase(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop, max_new_row)
         return pre, (carry[5], carry[6], carry[7], carry[9])
 
     def _build(self, args, params, max_new, record):
-        """Trace and lower every program here, each compiled in a pool thread as soon as it is lowered; returns the
-        pending `_Build` (its programs in run order: prefill, first, the later phases)."""
+        """Trace and lower every program here, each compiled in a pool thread as soon as it is lowered."""
         weights, toks, pos, segs, next_pos, key, stop, max_new_row = args
         P = toks.shape[1]
         later = phase_sizes(P, max_new)[1:] if max_new > 1 else []
-        build = _Build(self.workers or 2 + len(later))
+        futures, t0, lowered_at = [], time.perf_counter(), []
 
-        def submit(traced):
-            build.submit(traced.lower())
-            self.counts["lowered"] += 1
-            return traced.out_info
+        def timed_compile(lowered):
+            start = time.perf_counter()
+            out = compile_lowered(lowered)
+            return out, (round(start - t0, 3), round(time.perf_counter() - t0, 3))
 
-        try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2 + len(later)) as pool:
+
+            def submit(traced):
+                lowered = traced.lower()
+                self.counts["lowered"] += 1
+                lowered_at.append(round(time.perf_counter() - t0, 3))
+                futures.append(pool.submit(timed_compile, lowered))
+                return traced.out_info
+
             pre = submit(self.sampler._prefill.trace(weights, toks, pos, segs, record=record))
             carry, start, leaves = submit(self.first.trace(weights, pre[0], pre[1], next_pos, key, stop, max_new_row,
                                                            params=params, max_new=max_new))
             for size in later:
                 carry = submit(self.phase.trace(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop,
                                                 max_new_row, params=params, max_new=max_new, prompt=P, size=size))
-        finally:
-            build.pool.shutdown(wait=False)  # the submitted compiles go on; the threads end with them
-        return build
-
-
-class _Build:
-    """A new key's compiles under way: `program(i)` waits for program i's; `timeline` says when each was lowered
-    and compiled (seconds since the build began; benchmarks report it)."""
-
-    def __init__(self, workers: int):
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers)
-        self.t0, self.futures, self.lowered_at = time.perf_counter(), [], []
-
-    @property
-    def count(self) -> int:
-        return len(self.futures)
-
-    def submit(self, lowered) -> None:
-        self.lowered_at.append(round(time.perf_counter() - self.t0, 3))
-        self.futures.append(self.pool.submit(self._compile, lowered))
-
-    def _compile(self, lowered):
-        start = time.perf_counter()
-        out = compile_lowered(lowered)
-        return out, (round(start - self.t0, 3), round(time.perf_counter() - self.t0, 3))
-
-    def program(self, i: int):
-        return self.futures[i].result()[0]
-
-    def finish(self) -> list:
-        done = [f.result() for f in self.futures]
-        self.timeline = {"lowered_at": self.lowered_at, "compile_spans": [d[1] for d in done],
-                         "build_s": round(max(d[1][1] for d in done), 3),
-                         "returned_s": round(time.perf_counter() - self.t0, 3)}
-        return [d[0] for d in done]
+            done, spans = zip(*[f.result() for f in futures])
+        self.counts["compiled"] += len(done)
+        self.last_build = {"lowered_at": lowered_at, "compile_spans": list(spans),
+                           "build_s": round(time.perf_counter() - t0, 3)}
+        return done[0], done[1], done[2:]
