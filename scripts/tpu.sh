@@ -4,7 +4,7 @@
 #   bash scripts/tpu.sh OUTDIR [SECTION ...]          (sections: benchmarks/tpu.py; default: $DEFAULT_SECTIONS)
 # Offline TPU machine: first run scripts/tpu_wheels.sh where PyPI is reachable (fills .whl-tpu/), carry .whl-tpu.
 # SECTION none: install and test only. Environment: TPU_SITE (install target, default /tmp/site), TPU_TESTS=0 skips the tests, TPU_TEST_S (their time
-# limit, default 480: the tier took ~450 s on a v5e at the ninth stop), TPU_TORCH=0 skips torch (the transformers comparisons then fail, not skip), TPU_CACHE (JAX's
+# limit, default 540: the tier took ~470 s on a v5e at the ninth stop), TPU_TORCH=0 skips torch (the transformers comparisons then fail, not skip), TPU_CACHE (JAX's
 # persistent compilation cache folder, default /tmp/posttrain-jax-cache). docs/tpu.md says more.
 set -uo pipefail
 OUT=${1:?usage: bash scripts/tpu.sh OUTDIR [SECTION ...]}; shift
@@ -59,7 +59,7 @@ TIER="tests/test_attention_tpu.py tests/test_remat.py tests/test_attention.py te
 if [ "${TPU_TESTS:-1}" = 1 ]; then
   t0=$SECONDS
   # -v: each result is in the log as it comes, so a run stopped at the time limit still counts what it ran
-  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${TPU_TEST_S:-480}" python3 -m pytest -v -p no:cacheprovider \
+  JAX_DEFAULT_MATMUL_PRECISION=highest timeout "${TPU_TEST_S:-540}" python3 -m pytest -v -p no:cacheprovider \
     --durations=10 ${TPU_TIER:-$TIER} > "$OUT/tests.log" 2>&1
   rc=$?
   echo "tests: rc $rc in $((SECONDS - t0)) s: $(grep -c ' PASSED' "$OUT/tests.log") passed, $(grep -c ' FAILED' \
