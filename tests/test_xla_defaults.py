@@ -29,3 +29,34 @@ def test_flag_set_only_before_a_backend_starts(code, expect_flag):
 
 def test_user_value_wins():
     assert _flags_after("import posttrain", env_flags=f"{FLAG}=dot") == f"{FLAG}=dot"
+
+
+_FAULTS = """
+import resource
+import posttrain
+import jax, jax.numpy as jnp
+f = jax.jit(lambda x, v: jnp.exp(x) @ v)  # a 64 MB temporary per call
+x, v = jnp.ones((4096, 4096)), jnp.ones((4096,))
+faults = []
+for _ in range(20):
+    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    jax.block_until_ready(f(x, v))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+print("FAULTS=" + ",".join(map(str, faults)))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"),
+                    reason="glibc's malloc only")
+def test_cpu_temporaries_stay_mapped():
+    """POSTTRAIN_KEEP_HEAP=1: a call's temporaries are served from the heap the previous calls freed; once the heap has
+    grown (the first calls), a call faults in no new pages. Unset: each call maps them afresh."""
+    def faults(keep):
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "POSTTRAIN_KEEP_HEAP": keep}
+        out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True)
+        return [int(v) for v in out.stdout.strip().splitlines()[-1].removeprefix("FAULTS=").split(",")]
+
+    kept = faults("1")
+    assert sorted(kept[-5:])[2] < 1000, kept  # 64 MB are 16,384 pages
+    assert min(faults("")) > 10_000  # the default: glibc's mmap for large blocks
+
