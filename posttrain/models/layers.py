@@ -220,8 +220,11 @@ def project(x, w):
     """x [..., K] @ w [K, N]. On a CPU its weight gradient is ONE plain product x^T [K, M] @ g [M, N], x^T
     materialised first: as JAX differentiates x @ w, XLA:CPU contracts both operands over their token axis
     (x [M, K] and g laid out [N, M]), which Eigen ran at half speed (lm_head [2048, 256] x [2048, 2048]: 96 -> 52
-    ms CPU alone). Same products and block sizes, so the same bits (tests/test_models.py checks). Other backends,
-    or PLAIN_WEIGHT_GRADS False: x @ w."""
+    ms CPU alone). Same products and block sizes, so the same bits (tests/test_models.py checks). When x is wider
+    than g (the MLP's down: x [M, 1024], g [M, 256]), (g^T @ x)^T instead: XLA fused x's producer (act(gate) * up)
+    into x's transposed copy, a strided loop (16 ms a layer in the tiny Qwen3-VL step, 1.2 ms for the transpose
+    alone); g^T is 4x smaller. Bitwise the same weights after 8 AdamW steps of that model; the step 3-4 % faster (docs/
+    benchmarks.md, "Ninth stop"). Other backends, or PLAIN_WEIGHT_GRADS False: x @ w."""
     if not PLAIN_WEIGHT_GRADS or jax.default_backend() != "cpu":
         return x @ w
     lead = x.shape[:-1]
@@ -240,6 +243,9 @@ def _plain_fwd(x, w):
 def _plain_bwd(res, g):
     x, w = res
     dx = jax.lax.dot_general(g, w, (((1,), (1,)), ((), ())))  # g @ w^T, as autodiff writes it
+    if x.shape[1] > g.shape[1]:  # the narrower one transposed: (g^T @ x)^T (the MLP's down: g [M, 256], x [M, 1024])
+        gt = jax.lax.optimization_barrier(jnp.transpose(g))
+        return dx, jnp.transpose(jax.lax.optimization_barrier(gt @ x))
     xt = jax.lax.optimization_barrier(jnp.transpose(x))  # kept apart: XLA would fold it back into the product
     return dx, xt @ g
 
