@@ -43,3 +43,7 @@ def test_estimator_with_python_control_flow_runs_op_by_op(monkeypatch):
     total = np.abs(total)
     want = np.nan_to_num(total[:, 0]) - np.nan_to_num(total[:, 0]).mean()
     np.testing.assert_allclose(R._advantages("pyflow", total, 4, "group", lengths), want, rtol=1e-6, atol=1e-6)
+    assert ("pyflow", 4, "group") in R._UNTRACEABLE  # remembered: the next rollout does not try the jit again
+    monkeypatch.setattr(R, "_jitted_estimator", None)  # calling it would raise
+    np.testing.assert_allclose(R._advantages("pyflow", total, 4, "group", lengths), want, rtol=1e-6, atol=1e-6)
+    R._UNTRACEABLE.discard(("pyflow", 4, "group"))

@@ -188,6 +188,9 @@ class GroupRollout:
         return batch
 
 
+_UNTRACEABLE: set = set()  # estimators a jit failed to trace: op by op from then on
+
+
 @functools.lru_cache(maxsize=None)
 def _jitted_estimator(name: str, n: int, scale: str):
     return jax.jit(lambda r, lengths: estimate_advantages(name, r, None, n, scale=scale, lengths=lengths))
@@ -198,11 +201,11 @@ def _advantages(name: str, total: np.ndarray, n: int, scale: str, lengths) -> np
     parity and learning tests' round-off); on an accelerator as one jitted program: op by op there, each of its
     ~30 ops is a dispatch to the chip (host time in GRPO's step, #56). An estimator a jit cannot trace (Python
     control flow on values: a user's registered one) runs op by op there too."""
-    if jax.default_backend() != "cpu":
+    if jax.default_backend() != "cpu" and (name, n, scale) not in _UNTRACEABLE:
         try:
             return np.asarray(_jitted_estimator(name, n, scale)(total, lengths))
         except jax.errors.ConcretizationTypeError:
-            pass
+            _UNTRACEABLE.add((name, n, scale))  # not traced again at every rollout
     return np.asarray(estimate_advantages(name, total, None, n, scale=scale, lengths=lengths))
 
 
