@@ -38,6 +38,8 @@ args = parse_args([
     (("--vision-heads",), dict(type=int, default=4)), (("--patch",), dict(type=int, default=16)),
     (("--train-vision",), dict(action="store_true")), (("--only",), dict(choices=("posttrain", "hf"), default=None)),
     (("--rss-per-side",), dict(action="store_true")),
+    (("--profile",), dict(default=None, help="a folder: after the rounds, trace 3 posttrain train steps there with "
+                                            "jax.profiler and add each thread's busiest ops to the JSON")),
     (("--dry-run",), dict(action="store_true", help="a minimal size, one round: the code path only (tests)"))])
 if args.dry_run:
     args.rounds, args.steps, args.reps, args.batch, args.seq, args.gen_batch, args.new = 1, 1, 1, 2, 48, 2, 4
@@ -273,11 +275,38 @@ def main():
             print(f"SUMMARY train {res['train_ratio']:.2f}x (bar 1.0), generate {res['gen_ratio']:.2f}x (bar 2.0); "
                   f"first-step losses {loss0}; greedy tokens equal {res['greedy_tokens_equal_fraction']:.0%}",
                   flush=True)
+        if args.profile and "posttrain" in libs:
+            with jax.profiler.trace(args.profile):
+                libs["posttrain"].train(3)
+            res["posttrain_profile"] = thread_ops(args.profile)
     res["peak_rss_bytes"] = peak_rss()
     if args.rss_per_side and not args.only:
         for n in libs:
             res[f"{n}_alone_peak_rss_bytes"] = alone_rss(n)
     write(res, args.json)
+
+
+def thread_ops(folder: str, top: int = 25) -> dict:
+    """Per thread (a host plane's line) of the newest trace in `folder`: its busy ms (the sum of its events) and its
+    `top` longest ops by total ms, as [name, count, total ms]; threads with under 1 ms left out."""
+    import glob
+
+    from jax.profiler import ProfileData
+
+    files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+    out = {}
+    for plane in ProfileData.from_file(max(files, key=os.path.getmtime)).planes:
+        for line in plane.lines:
+            agg = {}
+            for e in line.events:
+                a = agg.setdefault(e.name, [0, 0.0])
+                a[0] += 1
+                a[1] += e.duration_ns / 1e6
+            busy = sum(v[1] for v in agg.values())
+            if busy >= 1.0:
+                rows = sorted(([k, c, round(ms, 2)] for k, (c, ms) in agg.items()), key=lambda r: -r[2])[:top]
+                out[f"{plane.name} / {line.name}"] = {"busy_ms": round(busy, 1), "ops": rows}
+    return out
 
 
 def alone_rss(side: str) -> int:
