@@ -7,13 +7,13 @@ The room for GRPO: the SFT rows come from a careless annotator who says count + 
 count often; pictures of 1-3 squares are labelled right. GRPO's reward is the true count (`last_number` against
 "answer"); the tower stays as SFT left it.
 
-Two ways this failed before (300 SFT steps, GRPO lr 1e-3; AMD EPYC, 2 cores, the suite's XLA flags): SFT had not yet
-told 4 squares from 5, so it said "5" to both (seed 0: 0.825 after SFT, only the 4s left to win, +4.5 points after
-GRPO; seed 1: 0.780 -> 0.795), the round-off of the machine deciding which side of that line a seed ends on; and
-GRPO at lr 1e-3 collapsed late on one seed (seed 2 with 500 SFT steps: sampled reward 0.94 -> 0.75 in the last 10
-steps, the pictures of 2 squares 43 -> 0 right). With 500 SFT steps and GRPO at lr 5e-4 (SFT ~50 s, GRPO ~12 s on
-an idle machine) seeds 0-3 gave 0.645 / 0.570 / 0.725 / 0.730 after SFT and 1.000 after GRPO each (+27.0 to
-+43.0 points)."""
+Two ways this failed before (300 SFT steps, GRPO lr 1e-3; AMD EPYC family 25 model 17, 2 cores, the suite's XLA
+flags): SFT had not yet told 4 squares from 5, so it said "5" to both (seed 0: 0.825 after SFT, only the 4s left to
+win, +4.5 points after GRPO; seed 1: 0.780 -> 0.795), the round-off of the machine deciding which side of that line a
+seed ends on; and GRPO at lr 1e-3 collapsed late on one seed (seed 2 with 500 SFT steps: sampled reward 0.94 -> 0.75
+in the last 10 steps, the pictures of 2 squares 43 -> 0 right). With 500 SFT steps and GRPO at lr 5e-4 (SFT ~50 s,
+GRPO ~12 s on an idle machine) seeds 0-3 gave 0.645 / 0.570 / 0.725 / 0.730 after SFT and 1.000 after GRPO each (+27.0
+to +43.0 points)."""
 
 import json
 
