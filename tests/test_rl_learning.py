@@ -224,7 +224,7 @@ def test_lora_online_dpo_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_ad
 def test_lora_kto_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_addition):
     """LoRA rank 8 KTO (TRL's KTOTrainer "kto" loss, beta 0.1) on unpaired rows built as a user with a checker
     would: for 1,024 training prompts the right answer is a desirable row and the first wrong one of the SFT
-    model's own 4 samples (temperature 1, 4 tokens) an undesirable row. desirable_weight 2: the undesirable
+    model's own 4 samples (temperature 1, 4 tokens) an undesirable row. desirable_weight 3 (2 before): the undesirable
     rows push down their shared first digit and end of answer too, and at 1/1 the gain is smaller and
     unstable. lr 5e-5, 100 steps of 32 rows gain >= 5 points of greedy held-out accuracy.
     Seen on an AMD EPYC (AVX-512): from the 0.450 start +9 / +5.5 / +7 points over sampling seeds 0-2 with 512
@@ -232,8 +232,9 @@ def test_lora_kto_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_addition)
     With 1,024 prompts (about 2,030 rows; AMD EPYC family 25 model 17, the suite's XLA flags, 2026-12-07): +8 to
     +9.5 points over 7 (sampling seed, data seed) pairs, where 512 gave +5.5 to +9 over 5 (a 0.5-point margin;
     the bits of one train-step change took it to +4 in `make test`). 150 steps: +5 (the gain peaks, then falls).
-    From the 0.610 start of the `lax.cond` guard's bits: +5 and +6 (sampling seeds 0, 1); lr 7e-5 -1, lr 3e-5 x 200
-    steps +1.5, 2,048 prompts +4.5: at that start the margin is nil, not fixed yet."""
+    From the 0.610 start of the `lax.cond` guard's bits, desirable_weight 2: +5 and +6 (sampling seeds 0, 1); lr 7e-5
+    -1, lr 3e-5 x 200 steps +1.5, 2,048 prompts +4.5. desirable_weight 3 (now): +6.5 / +9.5 / +9 (sampling seeds
+    0-2), +7.5 (data seed 1); from the 0.450 start (the step before the guard) +10 / +11 (seeds 0, 1)."""
     import jax
 
     from posttrain.models import from_pretrained
@@ -256,7 +257,7 @@ def test_lora_kto_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_addition)
     path = addition.write_jsonl(data, str(tmp_path / "kto.jsonl"))
     trainer = KTOTrainer(C.from_dict(KTOConfig, {
         "model": {"path": sft_addition}, "data": {"train": path, "max_length": 24, "truncation": "drop"},
-        "kto": {"beta": 0.1, "desirable_weight": 2.0}, "lora": {"enabled": True, "rank": 8},
+        "kto": {"beta": 0.1, "desirable_weight": 3.0}, "lora": {"enabled": True, "rank": 8},
         "optim": {"lr": 5e-5, "warmup_steps": 5, "schedule": "constant"},
         "train": {"steps": 100, "batch_size": 32, "log_every": 20}, "metrics": {"sinks": ["jsonl"]},
         "run_dir": str(tmp_path / "run")}), progress=False)
