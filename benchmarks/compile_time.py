@@ -34,6 +34,13 @@ ap.add_argument("--sample", default="64:128:512", help="B:P:N prompts, prompt bu
 ap.add_argument("--train", default="16:2048:16:none", help="B:T:M:REMAT rows, tokens, micro-batches, remat")
 ap.add_argument("--only", default="sample,train", help="sample, train or both")
 ap.add_argument("--jsonl", default=None, help="also append the lines here")
+ap.add_argument("--target", default=None, help="a TPU topology to compile for ahead of time, e.g. v5e:1x1 "
+                "(needs libtpu importable; see above)")
+ap.add_argument("--programs", action="store_true", help="sample: the accelerator's program split "
+                "(generate/programs.py) instead of the one-program decode")
+ap.add_argument("--compiler-options", default="", help="XLA build options for every compile, e.g. "
+                "exec_time_optimization_effort=-1.0 (jax's lowered.compile(compiler_options=...))")
+ap.add_argument("--kv-dtype", default=None, help="sample: the cache's storage dtype, e.g. float8_e4m3fn")
 args = ap.parse_args()
 
 import jax  # noqa: E402
@@ -42,12 +49,33 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from posttrain.generate import Sampler  # noqa: E402
+from posttrain.generate.programs import Programs  # noqa: E402
 from posttrain.generate.sampler import phase_sizes  # noqa: E402
 from posttrain.generate.sampling import SamplingParams  # noqa: E402
 from posttrain.losses import sft_loss  # noqa: E402
 from posttrain.models import Transformer, preset  # noqa: E402
 from posttrain.train import make_train_step  # noqa: E402
 from posttrain.train.step import TrainState  # noqa: E402
+
+OPTIONS = {k: float(v) if v.lstrip("-").replace(".", "", 1).isdigit() else v
+           for k, v in (kv.split("=") for kv in args.compiler_options.split(",") if kv)}
+DEVICE = None
+if args.target:  # ahead-of-time for a TPU topology: no chip needed, libtpu is
+    from unittest import mock
+
+    from jax.experimental import topologies
+
+    DEVICE = topologies.get_topology_desc(topology_name=args.target, platform="tpu",
+                                          chips_per_host_bounds=(1, 1, 1)).devices[0]
+    mock.patch("jax.default_backend", lambda: "tpu").start()  # the model's TPU paths while tracing
+
+
+def placed(tree):
+    """Abstract arguments on the target's device (--target); unchanged otherwise."""
+    if DEVICE is None:
+        return tree
+    sh = jax.sharding.SingleDeviceSharding(DEVICE)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree)
 
 
 def _value(v: str):
@@ -69,24 +97,35 @@ def abstract_model(cfg):
 
 def timed(name, jitted, *a, **kw):
     """Trace, lower and compile `jitted` at these (abstract) arguments; one JSON line."""
+    a = placed(a)
     t0 = time.perf_counter()
     traced = jitted.trace(*a, **kw)
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2, c2 = time.perf_counter(), time.process_time()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=OPTIONS or None)
     t3, c3 = time.perf_counter(), time.process_time()
     line = {"bench": "compile_time", "program": name, "preset": args.preset, "layers": CFG.num_layers,
             "scan": getattr(CFG, "scan_layers", None), "shape": args.shape, "dtype": args.dtype,
             "trace_s": round(t1 - t0, 3), "lower_s": round(t2 - t1, 3), "compile_s": round(t3 - t2, 3),
             "total_s": round(t3 - t0, 3), "compile_cpu_s": round(c3 - c2, 3),
             "hlo_lines": len(lowered.as_text().splitlines()), "xla_lines": len(compiled.as_text().splitlines()),
-            "backend": jax.default_backend()}
+            "backend": args.target or jax.default_backend(), "options": OPTIONS, "memory": memory(compiled)}
     print(json.dumps(line), flush=True)
     if args.jsonl:
         with open(args.jsonl, "a") as f:
             f.write(json.dumps(line) + "\n")
     return traced
+
+
+def memory(compiled):
+    try:
+        ma = compiled.memory_analysis()
+        out = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
+    except Exception as e:  # a backend without the analysis
+        return {"error": repr(e)[:200]}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
 
 
 class AbstractSampler(Sampler):
@@ -100,15 +139,25 @@ class AbstractSampler(Sampler):
 
 
 def sample(B, P, N):
-    sampler = AbstractSampler(abstract_model(CFG), max_len=P + N)
+    sampler = AbstractSampler(abstract_model(CFG), max_len=P + N, kv_dtype=args.kv_dtype)
     S = jax.ShapeDtypeStruct
     toks = S((B, P), jnp.int32)
     traced = timed("prefill", sampler._prefill, sampler._weights, toks, toks, toks)
-    logits, cache = traced.out_info
+    logits, cache = traced.out_info[:2]
     params = SamplingParams(max_new_tokens=N, temperature=0.0)
-    timed(f"decode ({len(phase_sizes(P, N))} phases)", sampler._decode, sampler._weights, logits, cache,
-          S((B,), jnp.int32), jax.random.key(0), S((B, 1), jnp.int32), S((B,), jnp.int32), params=params,
-          max_new=N)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rest = (S((B,), jnp.int32), key, S((B, 1), jnp.int32), S((B,), jnp.int32))  # next_pos, key, stop, max_new_row
+    if not args.programs:
+        timed(f"decode ({len(phase_sizes(P, N))} phases)", sampler._decode, sampler._weights, logits, cache, *rest,
+              params=params, max_new=N)
+        return
+    progs = Programs(sampler)  # generate/programs.py's split, each program compiled after the last
+    carry, start, leaves = timed("decode first phase", progs.first, sampler._weights, logits, cache, *rest,
+                                 params=params, max_new=N).out_info
+    _, key, stop, max_new_row = rest
+    for size in phase_sizes(P, N)[1:]:
+        carry = timed(f"decode phase to {size}", progs.phase, sampler._weights, carry[:3] + carry[4:], carry[3],
+                      start, leaves, key, stop, max_new_row, params=params, max_new=N, prompt=P, size=size).out_info
 
 
 def train(B, T, M, remat):

@@ -313,7 +313,9 @@ def main():
     name, *rest = args.only.split(":")
     conv = [int(x) if x.isdigit() else x for x in rest]
     out = {"section": args.only, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-           "preset": args.preset, "shape": SHAPE, "dtype": args.dtype}
+           "preset": args.preset, "shape": SHAPE, "dtype": args.dtype,
+           "env": {k: v for k, v in os.environ.items() if k.startswith(("JAX_EXEC", "JAX_OPT", "XLA_FLAGS", "LIBTPU"))
+                   and v}}
     if name == "peak":
         out.update(peak(*conv))
     elif name in ("sft", "lora"):
