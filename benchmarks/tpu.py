@@ -173,12 +173,14 @@ def train(kind, B, T, M, remat):
     s = statistics.median(times)
     mem = xla_memory(step, box[0], batch)
     p = plan(cfg, batch=B // M, seq_len=T, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat,
-             trainable="lora" if kind == "lora" else "full", lora_rank=16, micro_batches=M)
+             trainable="lora" if kind == "lora" else "full", lora_rank=16, micro_batches=M,
+             device_bytes=stat("bytes_limit"))
     return {"n_params": count_params(box[0].params) + count_params(box[0].rest), "batch": B, "seq": T,
             "micro_batches": M, "remat": remat, "clip": not args.no_clip, "step_s": s,
             "step_times": [round(t, 4) for t in times],
             "first_step_s": first, "tok_s": B * T / s, "model_flops_s": flops_per_token(cfg, T) * B * T / s,
-            "loss": float(m["loss"]), "plan": {k: p[k] for k in (*KEYS, "total")}, "xla_memory": mem,
+            "loss": float(m["loss"]), "plan": {k: p[k] for k in (*KEYS, "demand", "total", "fitted")},
+            "xla_memory": mem,
             "plan_over_xla": p["total"] / mem["peak"] if "peak" in mem else None}
 
 
@@ -296,7 +298,8 @@ def grpo(P, G, L, N, remat):
     u = statistics.median(upd[1:])
     # the state after the last step (the one before it was donated)
     mem = xla_memory(parts.raw_step, box[0], last[0], parts.frozen)
-    p = plan(cfg, batch=P, seq_len=trainer.length, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat)
+    p = plan(cfg, batch=P, seq_len=trainer.length, mesh_shape={"data": 1}, preset="dp", remat=cfg.remat,
+             device_bytes=stat("bytes_limit"))  # XLA fits a step that needs more into the device
     return {"prompts": P, "generations": G, "prompt_len": L, "new": N, "remat": remat, "row_tokens": trainer.length,
             "step_s": statistics.median(times), "loop_step_s": loop_s, "loop_steps": k, "first_step_s": first,
             "generate_s": statistics.median(gens[1:]),
@@ -305,7 +308,7 @@ def grpo(P, G, L, N, remat):
             "rollout_dtype": args.rollout_dtype or args.dtype, "is_mode": args.is_mode,
             "kv_dtype": jnp.dtype(parts.batches.sampler.kv_dtype or args.rollout_dtype or args.dtype).name,
             "mismatch_kl": statistics.median(kls) if kls else None, "mismatch_kl_steps": kls,
-            "plan": {k: p[k] for k in (*KEYS, "total")}, "xla_memory": mem,
+            "plan": {k: p[k] for k in (*KEYS, "demand", "total", "fitted")}, "xla_memory": mem,
             "plan_over_xla": p["total"] / mem["peak"] if "peak" in mem else None}
 
 

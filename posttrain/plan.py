@@ -157,7 +157,8 @@ def _kv_bytes(cfg: ModelConfig, i: int, rules: dict, sizes: dict) -> int:
 
 def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mapping[str, int], preset: str,
          trainable: str = "full", optimizer_slots: int = 2, remat: bool = False, kv_cache_tokens: int = 0,
-         lora_rank: int = 8, lora_targets=None, micro_batches: int = 1) -> dict:
+         lora_rank: int = 8, lora_targets=None, micro_batches: int = 1,
+         device_bytes: Optional[int] = None) -> dict:
     """Bytes per device: parameters, optimizer, gradients, activations, kv_cache and total.
 
     batch: global sequences per step (split over data x fsdp); seq_len: tokens per sequence.
@@ -169,10 +170,19 @@ def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mappin
     them make an optimizer step.
 
     The total is what XLA's buffer assignment needs at the step's peak (measured on a TPU v5e, llama3-1b,
-    docs/benchmarks.md): with one micro-batch the backward pass writes each layer's gradients as it frees that
-    layer's saved activations, so the two share their space and the larger counts (`gradients` is then reported
-    once); with M > 1 the accumulated gradients are carried through the micro-batch loop beside the current
-    micro-batch's own, so `gradients` counts twice and adds to the activations.
+    docs/benchmarks.md; benchmarks/plan_tpu.py compiles the same steps ahead of time): with one micro-batch and
+    no remat the backward pass writes each layer's gradients as it frees that layer's saved activations, so the
+    two share their space and the larger counts (`gradients` is then reported once); with remat they do not:
+    the layer inputs are small and every layer's backward recomputes that layer's full set of activations, the
+    last one (layer 0) beside nearly all of the gradients, so gradients and activations add; with M > 1 the
+    accumulated gradients are carried through the micro-batch loop beside the current micro-batch's own, so
+    `gradients` counts twice and adds to the activations.
+
+    device_bytes: the memory of one device (a TPU v5e: 15.75 GiB). When the program would need more, XLA's own
+    rematerialisation (the compiler's, beside `remat`) recomputes activations until it fits: the compiled step's
+    peak is then the device's memory, not the demand (measured: the llama3-1b GRPO update of 8 rows x 1,152
+    tokens without remat, demand 22.6 GB, compiles to 16.49 GB on the v5e's 16.91 GB; told 14 GiB, to 14.82 GB).
+    `demand` is the total before that and `fitted` says it happened (it costs recompute time).
     """
     rules = sh.preset_rules(preset)
     sizes = _axis_sizes(mesh_shape)
@@ -201,11 +211,13 @@ def plan(model_cfg: ModelConfig, *, batch: int, seq_len: int, mesh_shape: Mappin
         "activations": _activation_bytes(model_cfg, rows, seq_len, tensor, remat),
         "kv_cache": kv,
     }
-    step = (out["gradients"] + out["activations"] if micro_batches > 1
+    step = (out["gradients"] + out["activations"] if micro_batches > 1 or remat
             else max(out["gradients"], out["activations"]))
-    out["total"] = out["parameters"] + out["optimizer"] + step + out["kv_cache"]
+    out["demand"] = out["parameters"] + out["optimizer"] + step + out["kv_cache"]
+    out["fitted"] = device_bytes is not None and out["demand"] > device_bytes
+    out["total"] = min(out["demand"], device_bytes) if out["fitted"] else out["demand"]
     out.update(preset=preset, mesh_shape=sizes, devices=math.prod(sizes.values()), rows_per_device=rows,
-               trainable=trainable, remat=remat, micro_batches=micro_batches)
+               trainable=trainable, remat=remat, micro_batches=micro_batches, device_bytes=device_bytes)
     return out
 
 
@@ -225,12 +237,19 @@ def format_plan(d: dict, device_bytes: Optional[int] = None) -> str:
         note = "  (estimate)" if k == "activations" else ""
         lines.append(f"  {k.replace('_', ' '):<12} {_gib(d[k]):>12}{note}")
     shared = "gradients + activations (micro-batches)" if d.get("micro_batches", 1) > 1 else \
+        "gradients + activations (remat: each layer's backward recomputes its set beside the gradients)" \
+        if d["remat"] else \
         "the larger of gradients and activations (the backward pass frees one as it writes the other)"
-    lines.append(f"  {'total':<12} {_gib(d['total']):>12}  (parameters + optimizer + kv cache + {shared})")
+    if d.get("fitted"):
+        lines.append(f"  {'total':<12} {_gib(d['total']):>12}  (the device's memory: the step needs "
+                     f"{_gib(d['demand'])}, parameters + optimizer + kv cache + {shared}; XLA rematerialises "
+                     "activations to fit, at a cost in time)")
+    else:
+        lines.append(f"  {'total':<12} {_gib(d['total']):>12}  (parameters + optimizer + kv cache + {shared})")
     if device_bytes is not None:
         lines.append(f"  {'device':<12} {_gib(device_bytes):>12}")
-        if d["total"] > device_bytes:
-            lines.append(f"WARNING: the plan needs {_gib(d['total'])} per device but a device has "
+        if d.get("demand", d["total"]) > device_bytes:
+            lines.append(f"WARNING: the plan needs {_gib(d.get('demand', d['total']))} per device but a device has "
                          f"{_gib(device_bytes)}; shard more (fsdp / tensor axes), turn on remat, train LoRA, "
                          "or use a smaller batch or micro-batches")
     return "\n".join(lines)
