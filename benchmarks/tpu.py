@@ -43,6 +43,8 @@ ap.add_argument("--rollout-dtype", default=None, help="grpo: the sampler's preci
 ap.add_argument("--is-mode", default=None, help="grpo: rollout.is_mode, the mismatch correction (token_truncate, ...)")
 ap.add_argument("--kv-dtype", default=None, help="sample, grpo: the KV cache's storage dtype (Sampler kv_dtype, "
                 "rollout.kv_dtype), e.g. float8_e4m3fn; default: the compute dtype")
+ap.add_argument("--prefill-effort", type=float, default=None, help="sample: XLA's exec_time_optimization_effort "
+                "for the prefill program alone (Sampler.prefill_compile_options), e.g. -1.0: a shorter first call")
 ap.add_argument("--hbm-gbs", type=float, default=819.0, help="HBM bandwidth, GB/s (v5e: 819)")
 ap.add_argument("--no-clip", action="store_true", help="sft/lora: plain AdamW without the trainer's default "
                 "global-norm clipping (optim.max_grad_norm: null): the gradients need not all be live at once")
@@ -203,6 +205,8 @@ def sample(B, P, N):
     cfg = model_config()
     model = build(cfg)
     sampler = Sampler(model, max_len=P + N, kv_dtype=args.kv_dtype)
+    if args.prefill_effort is not None:
+        sampler.prefill_compile_options = {"exec_time_optimization_effort": args.prefill_effort}
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(3, cfg.vocab_size, P - 1).tolist() for _ in range(B)]
     params = SamplingParams(max_new_tokens=N, temperature=0.0)
@@ -224,7 +228,8 @@ def sample(B, P, N):
     kv_tok = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((one.k, one.v)))
     kv_mean = B * (P + N / 2) * kv_tok  # the filled cache, averaged over the decode steps
     need = (w + kv_mean) / (args.hbm_gbs * 1e9)
-    return {"batch": B, "prompt": P, "new": N, "kv_dtype": kv_dt.name, "call_s": s, "first_call_s": first,
+    return {"batch": B, "prompt": P, "new": N, "kv_dtype": kv_dt.name, "prefill_effort": args.prefill_effort,
+            "call_s": s, "first_call_s": first,
             "first_call_programs": programs, "new_tok_s": B * N / s,
             "decode_step_s_upper": s / N, "bytes_weights": w, "bytes_kv_mean": kv_mean, "bandwidth_step_s": need,
             "bandwidth_fraction_upper_bound": need / (s / N), "prefill_call_s": s1, "decode_step_s": step,

@@ -80,10 +80,10 @@ def test_programs_compile_at_the_same_time_and_once(monkeypatch):
     barrier, threads = threading.Barrier(3, timeout=60), []
     real = programs.compile_lowered
 
-    def compile_together(lowered):
+    def compile_together(lowered, options=None):
         threads.append(threading.get_ident())
         barrier.wait()
-        return real(lowered)
+        return real(lowered, options)
 
     monkeypatch.setattr(programs, "compile_lowered", compile_together)
     s = Sampler(_model("llama"), max_len=16 + new)
@@ -96,3 +96,27 @@ def test_programs_compile_at_the_same_time_and_once(monkeypatch):
     out = s.generate(_prompts(1, (16, 3, 7)), params, key=jax.random.key(9))  # other prompts, the same bucket
     assert len(threads) == 3 and dict(s.traces) == before and dict(s._programs.counts) == counts
     assert out.tokens.shape == (6, new) and counts == {"lowered": 3, "compiled": 3}
+
+
+def test_prefill_compile_options_reach_the_prefill_alone(monkeypatch):
+    """`Sampler.prefill_compile_options` are XLA build options for the prefill program only; the decode programs
+    compile with the defaults, and the tokens do not depend on them on a CPU here (greedy, effort only)."""
+    seen = []
+    real = programs.compile_lowered
+
+    def record(lowered, options=None):
+        seen.append((lowered.as_text().split("\n", 1)[0], options))
+        return real(lowered, options)
+
+    monkeypatch.setattr(programs, "compile_lowered", record)
+    params = SamplingParams(max_new_tokens=40, temperature=0.0)
+    s = Sampler(_model("llama"), max_len=16 + 40)
+    s.concurrent_compile = True
+    s.prefill_compile_options = {"exec_time_optimization_effort": -1.0}
+    out = s.generate(_prompts(0), params)
+    assert len(seen) == 1 + len(phase_sizes(16, 40))
+    assert [o for _, o in seen] == [{"exec_time_optimization_effort": -1.0}] + [None] * (len(seen) - 1)
+    assert "prefill" in seen[0][0]
+    ref = Sampler(_model("llama"), max_len=16 + 40)
+    ref.concurrent_compile = True
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.generate(_prompts(0), params).tokens))

@@ -33,9 +33,10 @@ from posttrain.generate.shapes import grow, phase_sizes, repeat_rows
 from posttrain.models import scan
 
 
-def compile_lowered(lowered):
-    """XLA's compile of one lowered program (run in a pool thread; tests patch this to watch the threads)."""
-    return lowered.compile()
+def compile_lowered(lowered, options=None):
+    """XLA's compile of one lowered program (run in a pool thread; tests patch this to watch the threads).
+    options: XLA build options (`Sampler.prefill_compile_options`), None for the defaults."""
+    return lowered.compile(compiler_options=options) if options else lowered.compile()
 
 
 def _first(s, weights, logits, cache, next_pos, key, stop, max_new_row, *, params, max_new):
@@ -115,21 +116,22 @@ class Programs:
         later = phase_sizes(P, max_new)[1:] if max_new > 1 else []
         futures, t0, lowered_at = [], time.perf_counter(), []
 
-        def timed_compile(lowered):
+        def timed_compile(lowered, options):
             start = time.perf_counter()
-            out = compile_lowered(lowered)
+            out = compile_lowered(lowered, options)
             return out, (round(start - t0, 3), round(time.perf_counter() - t0, 3))
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=2 + len(later)) as pool:
 
-            def submit(traced):
+            def submit(traced, options=None):
                 lowered = traced.lower()
                 self.counts["lowered"] += 1
                 lowered_at.append(round(time.perf_counter() - t0, 3))
-                futures.append(pool.submit(timed_compile, lowered))
+                futures.append(pool.submit(timed_compile, lowered, options))
                 return traced.out_info
 
-            pre = submit(self.sampler._prefill.trace(weights, toks, pos, segs, record=record))
+            pre = submit(self.sampler._prefill.trace(weights, toks, pos, segs, record=record),
+                         self.sampler.prefill_compile_options)
             carry, start, leaves = submit(self.first.trace(weights, pre[0], pre[1], next_pos, key, stop, max_new_row,
                                                            params=params, max_new=max_new))
             for size in later:
