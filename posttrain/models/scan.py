@@ -6,8 +6,8 @@ a scan hands it one (MaxText's and Tunix's `scan_layers`). What it is not: a sec
 the Block itself, rebuilt from its stacked state with NNX's functional API (`nnx.merge` of one slice, as
 `transformer.remat_block` does), so the numbers are the unscanned forward's.
 
-When (`ModelConfig.scan_layers`): True = scan wherever the layers allow it, False = never, None (default) = on a
-TPU only (CPU and GPU keep the loop: docs/tpu.md has the measurements). The layers allow it when the config makes
+When (`ModelConfig.scan_layers`): True = scan wherever the layers allow it, False (the default, on every backend)
+= never (docs/tpu.md has the TPU measurements: a shorter compile, a slower decode step). The layers allow it when the config makes
 them identical (`uniform`: one attention kind, one RoPE and window, no Gated DeltaNet layers, no experts, no
 KV-shared layers, no per-layer inputs) and the built blocks are too (`stackable`: the same NNX graph, e.g. LoRA on
 every layer or on none, and no state but weights: LoRA dropout's shared RNG counts turn it off). A call that asks
