@@ -204,7 +204,8 @@ SLOW_TESTS = {
     "test_chunked_logps.py": {"test_chunked_equals_unchunked_values_and_gradients"},
 }
 SLOW_TESTS["test_scan_layers.py"] |= {"test_which_layers_scan"}
-SLOW_TESTS["test_sampler_programs.py"] = {"test_split_programs_equal_the_one_program_decode"}  # ~20 s each
+SLOW_TESTS["test_sampler_programs.py"] = {"test_split_programs_equal_the_one_program_decode",  # ~20 s each
+                                          "test_prefill_compile_options_reach_the_prefill_alone"}  # ~6 s, an opt-in
 SLOW_TESTS["test_qwen3_5_moe.py"] |= {"test_preset_is_transformers_default_config_and_plans"}
 SLOW_TESTS["test_no_data_loss.py"] |= {"test_export_into_the_run_folder_is_refused_and_the_run_still_exports",
                                        "test_export_over_a_folder_with_user_files_needs_overwrite",
