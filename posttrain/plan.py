@@ -27,7 +27,7 @@ from flax import nnx
 from posttrain import sharding as sh
 from posttrain.errors import PosttrainError
 from posttrain.losses.logps import chunk_len
-from posttrain.models.attention import choose
+from posttrain.models.attention import TPU_TILE, choose
 from posttrain.models.config import ModelConfig
 from posttrain.models.deltanet import CHUNK
 
@@ -84,7 +84,9 @@ def _activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, t: int, remat: 
     dense path (short rows, models/attention.py `choose`) the float32 scores and compute-dtype
     probabilities over seq_len keys (N seq_len / t each), on the blockwise path only a float32
     log-sum-exp per query and head (N / t): its tiles are recomputed in the backward pass.
-    With remat only each layer's input (D) is kept, plus one layer's full set during its backward.
+    With remat only each layer's input (D) is kept, plus one layer's full set during its backward, and on the
+    blockwise path that layer's attention backward (`_attention_backward_bytes`: its float32 dq, dk, dv
+    accumulators and two [rows, N / t, tile, tile] tiles) beside them.
     The loss head keeps the final hidden state per token (D); its float32 logits exist one chunk at a time
     (`losses.logps.token_logps`: at most LOGIT_BUDGET elements, [rows, T, V / t] when that fits), three such
     arrays at the peak (logits, their softmax, their gradient).
@@ -97,10 +99,27 @@ def _activation_bytes(cfg: ModelConfig, rows: int, seq_len: int, t: int, remat: 
     ple = 3 * cfg.per_layer_dim + D if cfg.per_layer_dim else 0
     per_layer = [(5 * D + _heads(cfg, i, t) + _mlp_activations(cfg, i, t) + ple) * cb + attn
                  for i in range(cfg.num_layers)]
+    backward = 0 if dense else max(_attention_backward_bytes(cfg, i, rows, seq_len, t) for i in range(cfg.num_layers))
     layers = cfg.num_layers * D * cb + max(per_layer) if remat else sum(per_layer)
     V = _split(cfg.vocab_size, t)
     logits = rows * chunk_len(rows, seq_len, V) * V
-    return tokens * (layers + D * cb) + 3 * 4 * logits
+    return tokens * (layers + D * cb) + 3 * 4 * logits + (backward if remat else 0)
+
+
+def _attention_backward_bytes(cfg: ModelConfig, i: int, rows: int, seq_len: int, t: int) -> int:
+    """Layer i's blockwise attention backward (models/attention.py `_flash`'s VJP), live while that layer's
+    gradients are computed: float32 accumulators of dq, dk and dv over the whole row ((N + 2 K) H per token,
+    the heads split t ways) and two compute-dtype [rows, N / t, tile, tile] tiles (the recomputed
+    probabilities and their gradient; the tile a TPU uses, TPU_TILE, or the row when shorter).
+
+    Measured (XLA's live ranges at the peak of the llama3-1b GRPO update with full remat, 8 rows x 1,152
+    tokens padded to 1,536, on a v5e): dq f32 [8, 8, 4, 1536, 64] 0.101 GB (twice: the loop carry in and out),
+    dk and dv f32 [8, 8, 1536, 64] 0.025 GB each, two bf16 [8, 8, 4, 512, 512] tiles 0.134 GB each: 0.54 GB in
+    all; this counts dq once over the unpadded row: 0.38 GB."""
+    K, H, cb = cfg.layer_kv_heads(i), cfg.layer_head_dim(i), jnp.dtype(cfg.dtype).itemsize
+    tile = min(TPU_TILE, seq_len)
+    accumulators = rows * seq_len * _split((cfg.num_heads + 2 * K) * H, t) * 4
+    return accumulators + 2 * rows * _split(cfg.num_heads, t) * tile * tile * cb
 
 
 def _heads(cfg: ModelConfig, i: int, t: int) -> int:

@@ -32,3 +32,28 @@ def test_device_memory_caps_the_total():
     assert tight["fitted"] and tight["total"] == small and tight["demand"] == free["demand"]
     text = format_plan(tight, small)
     assert "XLA rematerialises" in text and "WARNING" in text
+
+
+def test_remat_counts_the_attention_backward(monkeypatch):
+    """With remat on the blockwise path (rows longer than the dense limit) one layer's attention backward is live
+    beside its recomputed set: float32 dq, dk, dv over the row and two [rows, N, tile, tile] tiles; the dense path
+    (short rows) and the step without remat have no such term."""
+    import jax.numpy as jnp
+
+    import posttrain.plan as P
+    from posttrain.models.attention import TPU_TILE
+
+    T, rows = 1024, 2
+    long = plan(CFG, batch=rows, seq_len=T, mesh_shape={"data": 1}, preset="dp", remat=True)
+    plain = plan(CFG, batch=rows, seq_len=T, mesh_shape={"data": 1}, preset="dp")
+    short = _plan(remat=True)  # 64 tokens: the dense path
+    K, H, N = CFG.layer_kv_heads(0), CFG.layer_head_dim(0), CFG.num_heads
+    tile = min(TPU_TILE, T)
+    expected = rows * T * (N + 2 * K) * H * 4 + 2 * rows * N * tile * tile * jnp.dtype(CFG.dtype).itemsize
+    assert P._attention_backward_bytes(CFG, 0, rows, T, 1) == expected
+    monkeypatch.setattr(P, "_attention_backward_bytes", lambda *a: 0)
+    without = plan(CFG, batch=rows, seq_len=T, mesh_shape={"data": 1}, preset="dp", remat=True)
+    assert long["activations"] - without["activations"] == expected
+    assert plan(CFG, batch=rows, seq_len=T, mesh_shape={"data": 1}, preset="dp")["activations"] == \
+        plain["activations"]
+    assert _plan(remat=True)["activations"] == short["activations"]
