@@ -7,11 +7,12 @@ the Block itself, rebuilt from its stacked state with NNX's functional API (`nnx
 `transformer.remat_block` does), so the numbers are the unscanned forward's.
 
 When (`ModelConfig.scan_layers`): True = scan wherever the layers allow it, False (the default, on every backend)
-= never (docs/tpu.md has the TPU measurements: a shorter compile, a slower decode step). The layers allow it when the config makes
-them identical (`uniform`: one attention kind, one RoPE and window, no Gated DeltaNet layers, no experts, no
-KV-shared layers, no per-layer inputs) and the built blocks are too (`stackable`: the same NNX graph, e.g. LoRA on
-every layer or on none, and no state but weights: LoRA dropout's shared RNG counts turn it off). A call that asks
-for a layer's attention probabilities (`return_attn`) or replays expert routes runs the loop.
+= never (docs/tpu.md has the TPU measurements: a shorter compile, a slower decode step). The layers allow it
+when the config makes them identical (`uniform`: one attention kind, one RoPE and window, no Gated DeltaNet layers,
+no experts, no KV-shared layers, no per-layer inputs) and the built blocks are too (`stackable`: the same NNX
+graph, e.g. LoRA on every layer or on none, and no state but weights: LoRA dropout's shared RNG counts turn it
+off). A call that asks for a layer's attention probabilities (`return_attn`) or replays expert routes runs the
+loop.
 
 Where the stacking happens (the cost of the copy): the forward stacks the layers' weights (`jnp.stack`, one copy
 of them per call; gradients flow back through it to each layer's own weights), unless the caller passes a stack it
