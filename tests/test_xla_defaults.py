@@ -38,7 +38,7 @@ import jax, jax.numpy as jnp
 f = jax.jit(lambda x, v: jnp.exp(x) @ v)  # a 64 MB temporary per call
 x, v = jnp.ones((4096, 4096)), jnp.ones((4096,))
 faults = []
-for _ in range(20):
+for _ in range(60):
     r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     jax.block_until_ready(f(x, v))
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
@@ -50,13 +50,14 @@ print("FAULTS=" + ",".join(map(str, faults)))
                     reason="glibc's malloc only")
 def test_cpu_temporaries_stay_mapped():
     """POSTTRAIN_KEEP_HEAP=1: a call's temporaries are served from the heap the previous calls freed; once the heap has
-    grown (the first calls), a call faults in no new pages. Unset: each call maps them afresh."""
+    grown (the first calls: 1-9 extra temporaries before reuse when measured, more on a loaded machine, where 20 calls
+    once left 3 of the last 5 faulting), a call faults in no new pages. Unset: each call maps them afresh."""
     def faults(keep):
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "POSTTRAIN_KEEP_HEAP": keep}
         out = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, check=True)
         return [int(v) for v in out.stdout.strip().splitlines()[-1].removeprefix("FAULTS=").split(",")]
 
     kept = faults("1")
-    assert sorted(kept[-5:])[2] < 1000, kept  # 64 MB are 16,384 pages
+    assert sorted(kept[-10:])[5] < 1000, kept  # 64 MB are 16,384 pages
     assert min(faults("")) > 10_000  # the default: glibc's mmap for large blocks
 
