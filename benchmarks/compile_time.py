@@ -46,6 +46,7 @@ args = ap.parse_args()
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from aot import memory, placed, tpu_device  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from posttrain.generate import Sampler  # noqa: E402
@@ -63,19 +64,8 @@ DEVICE = None
 if args.target:  # ahead-of-time for a TPU topology: no chip needed, libtpu is
     from unittest import mock
 
-    from jax.experimental import topologies
-
-    DEVICE = topologies.get_topology_desc(topology_name=args.target, platform="tpu",
-                                          chips_per_host_bounds=(1, 1, 1)).devices[0]
+    DEVICE = tpu_device(args.target)
     mock.patch("jax.default_backend", lambda: "tpu").start()  # the model's TPU paths while tracing
-
-
-def placed(tree):
-    """Abstract arguments on the target's device (--target); unchanged otherwise."""
-    if DEVICE is None:
-        return tree
-    sh = jax.sharding.SingleDeviceSharding(DEVICE)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree)
 
 
 def _value(v: str):
@@ -97,7 +87,7 @@ def abstract_model(cfg):
 
 def timed(name, jitted, *a, **kw):
     """Trace, lower and compile `jitted` at these (abstract) arguments; one JSON line."""
-    a = placed(a)
+    a = a if DEVICE is None else placed(a, DEVICE)
     t0 = time.perf_counter()
     traced = jitted.trace(*a, **kw)
     t1 = time.perf_counter()
@@ -116,16 +106,6 @@ def timed(name, jitted, *a, **kw):
         with open(args.jsonl, "a") as f:
             f.write(json.dumps(line) + "\n")
     return traced
-
-
-def memory(compiled):
-    try:
-        ma = compiled.memory_analysis()
-        out = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
-    except Exception as e:  # a backend without the analysis
-        return {"error": repr(e)[:200]}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    return out
 
 
 class AbstractSampler(Sampler):

@@ -44,9 +44,8 @@ args = ap.parse_args()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+from aot import memory, placed, tpu_device  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
 
 from posttrain.config import OptimSection  # noqa: E402
 from posttrain.losses import sft_loss  # noqa: E402
@@ -57,8 +56,7 @@ from posttrain.train import make_train_step  # noqa: E402
 from posttrain.train.optim import make_optimizer  # noqa: E402
 from posttrain.train.step import TrainState  # noqa: E402
 
-DEVICE = topologies.get_topology_desc(topology_name=args.target, platform="tpu",
-                                      chips_per_host_bounds=(1, 1, 1)).devices[0]
+DEVICE = tpu_device(args.target)
 S = jax.ShapeDtypeStruct
 DEVICE_BYTES = int(args.device_gib * (1 << 30))
 
@@ -79,12 +77,6 @@ def remat_kw(remat: str) -> dict:
     return dict(remat=remat != "none", remat_policy="full" if remat == "none" else remat)
 
 
-def placed(tree):
-    """Abstract leaves on the target's device (arrays and ShapeDtypeStructs alike; None stays None)."""
-    where = jax.sharding.SingleDeviceSharding(DEVICE)
-    return jax.tree.map(lambda x: S(np.shape(x), x.dtype, sharding=where), tree)  # None: an empty subtree
-
-
 def abstract_state(model, opt, trainable):
     """The TrainState of `init_state(model, opt, trainable=...)`, abstract."""
     graphdef, params, rest = nnx.split(model, trainable, ...)
@@ -98,14 +90,11 @@ def compile_memory(step, state, batch):
     t = time.perf_counter()
     with mock.patch("jax.default_backend", lambda: "tpu"):
         if hasattr(step, "stage"):  # a TrainStep: its schedule numbers are arguments too, placed as the rest
-            lowered = step.stage.lower(placed(state), placed(batch), None, placed(step.numbers))
+            lowered = step.stage.lower(placed(state, DEVICE), placed(batch, DEVICE), None,
+                                       placed(step.numbers, DEVICE))
         else:  # a plain jitted step (commits before train/step.TrainStep)
-            lowered = step.lower(placed(state), placed(batch), None)
-    compiled = lowered.compile(compiler_options=OPTIONS or None)
-    ma = compiled.memory_analysis()
-    mem = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
-    mem["peak"] = mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]
-    return mem, time.perf_counter() - t
+            lowered = step.lower(placed(state, DEVICE), placed(batch, DEVICE), None)
+    return memory(lowered.compile(compiler_options=OPTIONS or None)), time.perf_counter() - t
 
 
 def train(kind, B, T, M, remat):

@@ -56,6 +56,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from aot import memory  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from posttrain.losses import sft_loss  # noqa: E402
@@ -190,12 +191,10 @@ def xla_memory(jitted, *example):
     """The compiled program's own account of its memory (`memory_analysis`, the persistent cache makes the second
     compile a load): arguments + outputs - donated aliases + temporaries, the peak it needs on the device."""
     try:
-        ma = jitted.lower(*example).compile().memory_analysis()
-        parts = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in ("argument", "output", "alias", "temp")}
-    except Exception as e:  # a backend without the analysis
+        compiled = jitted.lower(*example).compile()
+    except Exception as e:
         return {"error": repr(e)[:200]}
-    parts["peak"] = parts["argument"] + parts["output"] - parts["alias"] + parts["temp"]
-    return parts
+    return memory(compiled)
 
 
 def sample(B, P, N):

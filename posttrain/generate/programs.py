@@ -36,7 +36,7 @@ from posttrain.models import scan
 def compile_lowered(lowered, options=None):
     """XLA's compile of one lowered program (run in a pool thread; tests patch this to watch the threads).
     options: XLA build options (`Sampler.prefill_compile_options`), None for the defaults."""
-    return lowered.compile(compiler_options=options) if options else lowered.compile()
+    return lowered.compile(compiler_options=options)
 
 
 def _first(s, weights, logits, cache, next_pos, key, stop, max_new_row, *, params, max_new):
