@@ -120,3 +120,44 @@ def test_prefill_compile_options_reach_the_prefill_alone(monkeypatch):
     ref = Sampler(_model("llama"), max_len=16 + 40)
     ref.concurrent_compile = True
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.generate(_prompts(0), params).tokens))
+
+
+def test_first_call_runs_each_program_once_its_compile_ends(monkeypatch):
+    """The later phase's compile is held (up to 60 s) until the prefill has run, and the prefill until the first
+    decode program has compiled: a first call that waited for every compile before running anything would time out
+    here. The tokens equal the one-program decode's, and the second call reuses the programs."""
+    prefill_ran, first_compiled = threading.Event(), threading.Event()
+    real = programs.compile_lowered
+
+    def compile_in_order(lowered, options=None):
+        name = lowered.as_text().split("\n", 1)[0]
+        if "_phase" in name:
+            assert prefill_ran.wait(60), "a later phase compiled only after the prefill ran: the prefill never ran"
+        out = real(lowered, options)
+        if "_first" in name:
+            first_compiled.set()
+        if "_prefill" not in name:
+            return out
+
+        def prefill(*args):
+            prefill_ran.set()
+            assert first_compiled.wait(60)
+            return out(*args)
+
+        return prefill
+
+    monkeypatch.setattr(programs, "compile_lowered", compile_in_order)
+    new = 70
+    params = SamplingParams(max_new_tokens=new, temperature=0.0)
+    s = Sampler(_model("llama"), max_len=16 + new)
+
+    def run(split):
+        s.concurrent_compile = split
+        return s.generate(_prompts(0), params, key=jax.random.key(4))
+
+    got = run(True)
+    assert prefill_ran.is_set() and s._programs.counts == {"lowered": 3, "compiled": 3}
+    assert s._programs.last_build["build_s"] >= max(e for _, e in s._programs.last_build["compile_spans"][:2])
+    _equal(run(True), got)
+    assert s._programs.counts == {"lowered": 3, "compiled": 3}
+    _equal(got, run(False))

@@ -13,9 +13,10 @@ x 16 unrolled layers, most of a 45-51 s first call on a TPU v5e), compiled as on
 the GIL, so programs compiled in threads use more of a TPU host's cores (13 on a v5e one-chip host).
 How: each program's input shapes are the previous program's traced outputs (nothing runs). Each is traced and
 lowered in the calling thread (tracing holds the GIL) and handed at once to a thread pool to compile, so the
-compiles overlap each other and the tracing of the next programs. The `Compiled` programs are kept by key (the
-arguments' shapes, dtypes and shardings, the SamplingParams, max_new_tokens, record); a later call with the key
-runs them directly. The persistent compilation cache still applies (`.compile()` goes through it).
+compiles overlap each other and the tracing of the next programs; the first call runs each program as soon as its
+own compile ends (the prefill and the first phase run while later phases still compile). The `Compiled` programs
+are kept by key (the arguments' shapes, dtypes and shardings, the SamplingParams, max_new_tokens, record); a later
+call with the key runs them directly. The persistent compilation cache still applies (`.compile()` goes through it).
 What it is not: multi-turn (`begin` / `extend`), image prompts or a mesh: those keep one prefill and one decode
 program, and so does `generate` on a CPU unless `Sampler.concurrent_compile` is True (`Programs.applies`).
 """
@@ -96,17 +97,25 @@ class Programs:
         return on and len({d for x in jax.tree.leaves(weights) for d in x.sharding.device_set}) == 1
 
     def run(self, weights, toks, pos, segs, next_pos, key, stop, max_new_row, params, max_new, record):
-        """generate's prefill and decode: ((None, None[, the prompts' routes]), (tokens, logprobs, lengths, routes))."""
+        """generate's prefill and decode: ((None, None[, the prompts' routes]), (tokens, logprobs, lengths, routes)).
+        A new key's programs run each as soon as its own compile ends (`_build`), not after the last one's."""
         args = (weights, toks, pos, segs, next_pos, key, stop, max_new_row)
         sig = (_signature(args), params, max_new, record)
         if sig not in self.compiled:
             self.compiled[sig] = self._build(args, params, max_new, record)
-        prefill, first, phases = self.compiled[sig]
-        pre = prefill(weights, toks, pos, segs)
-        carry, start, leaves = first(weights, pre[0], pre[1], next_pos, key, stop, max_new_row)
-        pre = (None, None) + tuple(pre[2:])  # the prefill's cache is freed once the first program has it
-        for phase in phases:  # the carry but its cache is donated; the smaller cache is freed once replaced
-            carry = phase(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop, max_new_row)
+        progs = self.compiled[sig]
+        try:
+            pre = progs[0]()(weights, toks, pos, segs)
+            carry, start, leaves = progs[1]()(weights, pre[0], pre[1], next_pos, key, stop, max_new_row)
+            pre = (None, None) + tuple(pre[2:])  # the prefill's cache is freed once the first program has it
+            for phase in progs[2:]:  # the carry but its cache is donated; the smaller cache is freed once replaced
+                carry = phase()(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop, max_new_row)
+            if isinstance(progs, _Pending):
+                self.compiled[sig] = progs.done()
+        except BaseException:
+            if isinstance(progs, _Pending):  # a failed compile is not kept: the next call builds again
+                self.compiled.pop(sig, None)
+            raise
         return pre, (carry[5], carry[6], carry[7], carry[9])
 
     def _build(self, args, params, max_new, record):
@@ -121,15 +130,16 @@ class Programs:
             out = compile_lowered(lowered, options)
             return out, (round(start - t0, 3), round(time.perf_counter() - t0, 3))
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2 + len(later)) as pool:
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 + len(later))
 
-            def submit(traced, options=None):
-                lowered = traced.lower()
-                self.counts["lowered"] += 1
-                lowered_at.append(round(time.perf_counter() - t0, 3))
-                futures.append(pool.submit(timed_compile, lowered, options))
-                return traced.out_info
+        def submit(traced, options=None):
+            lowered = traced.lower()
+            self.counts["lowered"] += 1
+            lowered_at.append(round(time.perf_counter() - t0, 3))
+            futures.append(pool.submit(timed_compile, lowered, options))
+            return traced.out_info
 
+        try:
             pre = submit(self.sampler._prefill.trace(weights, toks, pos, segs, record=record),
                          self.sampler.prefill_compile_options)
             carry, start, leaves = submit(self.first.trace(weights, pre[0], pre[1], next_pos, key, stop, max_new_row,
@@ -137,8 +147,36 @@ class Programs:
             for size in later:
                 carry = submit(self.phase.trace(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop,
                                                 max_new_row, params=params, max_new=max_new, prompt=P, size=size))
-            done, spans = zip(*[f.result() for f in futures])
-        self.counts["compiled"] += len(done)
-        self.last_build = {"lowered_at": lowered_at, "compile_spans": list(spans),
-                           "build_s": round(time.perf_counter() - t0, 3)}
-        return done[0], done[1], done[2:]
+        finally:
+            pool.shutdown(wait=False)  # the submitted compiles go on; the pool's threads end with them
+
+        def finished(spans):
+            self.counts["compiled"] += len(spans)
+            self.last_build = {"lowered_at": lowered_at, "compile_spans": list(spans),
+                               "build_s": round(max(end for _, end in spans), 3)}
+
+        return _Pending(futures, finished)
+
+
+class _Pending(tuple):
+    """A new key's programs while they compile: item i is a function that waits for program i's compile and returns
+    it, so the first call runs each program as soon as its compile ends (the prefill and the first phase while the
+    later phases still compile). `done()` waits for all, records the timeline and returns the plain getters."""
+
+    def __new__(cls, futures, finished):
+        out = super().__new__(cls, tuple(functools.partial(_result, f) for f in futures))
+        out.futures, out.finished = futures, finished
+        return out
+
+    def done(self):
+        results = [f.result() for f in self.futures]
+        self.finished([span for _, span in results])
+        return tuple(functools.partial(_same, program) for program, _ in results)
+
+
+def _result(future):
+    return future.result()[0]
+
+
+def _same(program):
+    return program
