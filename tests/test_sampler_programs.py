@@ -161,3 +161,39 @@ def test_first_call_runs_each_program_once_its_compile_ends(monkeypatch):
     _equal(run(True), got)
     assert s._programs.counts == {"lowered": 3, "compiled": 3}
     _equal(got, run(False))
+
+
+def test_quick_first_prefill_is_replaced_by_the_default_compile(monkeypatch):
+    """`Sampler.quick_first_prefill`: the first call's prefill compiles with programs.QUICK_PREFILL, the decode
+    programs with the defaults; the second call starts the prefill's default compile in the background and runs the
+    quick one meanwhile; once it is ready (`settle`) calls run it. Tokens and log-probs never change."""
+    seen = []
+    real = programs.compile_lowered
+
+    def record(lowered, options=None):
+        seen.append(("prefill" in lowered.as_text().split("\n", 1)[0], options))
+        return real(lowered, options)
+
+    monkeypatch.setattr(programs, "compile_lowered", record)
+    new = 40
+    params = SamplingParams(max_new_tokens=new, temperature=1.0)
+    s = Sampler(_model("llama"), max_len=16 + new)
+    s.concurrent_compile, s.quick_first_prefill = True, True
+
+    def run():
+        return s.generate(_prompts(0), params, key=jax.random.key(4))
+
+    first = run()
+    n = 1 + len(phase_sizes(16, new))
+    assert seen == [(True, programs.QUICK_PREFILL)] + [(False, None)] * (n - 1)
+    up = next(iter(s._programs.compiled.values()))[0]
+    assert isinstance(up, programs.Upgrade) and up.future is None
+    _equal(run(), first)  # the second call: the quick prefill, the default one compiling
+    pairs = s._programs.settle()
+    assert seen[n:] == [(True, None)] and len(pairs) == 1 and up() is pairs[0][1] is not pairs[0][0]
+    _equal(run(), first)
+    quick, default = (jax.tree.leaves(p(s._weights, *s._programs.last_prefill_args)) for p in pairs[0])
+    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(quick, default))
+    s.concurrent_compile = False
+    _equal(first, run())  # the one-program decode
+    assert len(seen) == n + 1

@@ -87,11 +87,14 @@ class Sampler:
     # False: one prefill and one decode program, as begin/extend and image prompts do; None: True but on a CPU
     concurrent_compile: Optional[bool] = None
     # XLA build options for the prefill program of that concurrent compile, e.g. {"exec_time_optimization_effort":
-    # -1.0}: on a TPU v5e (llama3-1b, 64 x 128 prompt tokens) the prefill is the longest compile (~31 CPU-s of a
-    # 2-core host against ~14 a decode phase, benchmarks/compile_time.py --target v5e:1x1 --programs) and effort
-    # -1.0 cuts it to ~5; the program then runs without XLA's prefetching (effort -1.0 on every program: the 64-row
-    # prefill-only call 0.124 -> 0.300 s, decode 4.77 -> 7.68 ms a step). None: XLA's defaults
+    # -1.0}; None: XLA's defaults (after the quick first prefill below, if on)
     prefill_compile_options: Optional[dict] = None
+    # the concurrent compile's first call compiles its prefill at XLA's lowest effort (programs.QUICK_PREFILL: on a
+    # TPU v5e, llama3-1b 64 x 128 prompt tokens, ~18 -> ~5 s of compile, the first call 21.1-21.6 -> 17.8-18.7 s); from
+    # the second call on, the default program compiles in the background and replaces it (programs.Upgrade: the
+    # quick one runs without XLA's prefetching, 0.124 -> 0.298 s there). None: on a TPU when prefill_compile_options
+    # is None
+    quick_first_prefill: Optional[bool] = None
 
     def __init__(self, model: Transformer, *, max_len: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, pad_id: int = 0, mesh=None, rules=None,
