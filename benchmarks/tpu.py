@@ -222,10 +222,13 @@ def sample(B, P, N):
     out, first, times = timed(lambda: sampler.generate(prompts, params, key=jax.random.key(0)), args.steps,
                               settle=lambda: pairs.extend(sampler._programs.settle()))
     assert (np.asarray(out.lengths) == N).all()
-    quick_equal = None
+    quick_equal = quick_diff = quick_argmax = None
     if pairs:  # both prefill programs on the same inputs: the same bits? (the calls may switch between them)
         a, b = (jax.tree.leaves(prog(sampler._weights, *sampler._programs.last_prefill_args)) for prog in pairs[0])
         quick_equal = all(bool(jnp.array_equal(x, y)) for x, y in zip(a, b))
+        quick_diff = [float(jnp.max(jnp.abs(x.astype(jnp.float32) - y.astype(jnp.float32)))) for x, y in zip(a, b)
+                      if jnp.issubdtype(x.dtype, jnp.floating)]  # per floating output: logits, then the cache
+        quick_argmax = float(jnp.mean(jnp.argmax(a[0], -1) == jnp.argmax(b[0], -1)))
     s = statistics.median(times)
     programs = sampler._programs.last_build  # the first call's timeline: each program lowered / compiled (programs.py)
     # the same prompts with one new token: the prefill's program alone (no decode step is compiled), so the
@@ -244,6 +247,7 @@ def sample(B, P, N):
     need = (w + kv_mean) / (args.hbm_gbs * 1e9)
     return {"batch": B, "prompt": P, "new": N, "kv_dtype": kv_dt.name, "prefill_effort": args.prefill_effort,
             "quick_first_prefill": bool(pairs), "quick_prefill_equal": quick_equal,
+            "quick_prefill_max_abs_diff": quick_diff, "quick_prefill_argmax_agree": quick_argmax,
             "call_s": s, "first_call_s": first,
             "first_call_programs": programs, "new_tok_s": B * N / s,
             "decode_step_s_upper": s / N, "bytes_weights": w, "bytes_kv_mean": kv_mean, "bandwidth_step_s": need,
