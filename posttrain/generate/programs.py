@@ -34,10 +34,9 @@ from posttrain.generate.shapes import grow, phase_sizes, repeat_rows
 from posttrain.models import scan
 
 # The first call's prefill on a TPU: XLA's lowest compile effort. The prefill is a new shape's longest compile
-# (llama3-1b, 64 x 128 prompt tokens, v5e: ~18 s of a first call's ~21 s; effort -1.0: ~5 s, first call 17.8-18.7 s),
-# and at that effort it runs without XLA's prefetching (that prefill 0.124 -> 0.298 s): later calls get the default.
+# (llama3-1b, 64 x 128 prompt tokens, v5e: ~18 s of a first call's ~21 s; effort -1.0: ~5 s), and at that effort it
+# runs without XLA's prefetching (that prefill 0.124 -> 0.298 s): later calls run the default compile (`Upgrade`).
 QUICK_PREFILL = {"exec_time_optimization_effort": -1.0}
-_BACKGROUND = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-prefill")
 
 
 def compile_lowered(lowered, options=None):
@@ -95,15 +94,10 @@ class Programs:
         self.last_prefill_args = None
 
     def settle(self) -> list:
-        """Wait for every quick first prefill's replacement (`Upgrade`), starting those no second call has started:
-        benchmarks time the steady state after it. Returns the (quick, default) compiled pairs."""
-        pairs = []
-        for progs in self.compiled.values():
-            if isinstance(progs, tuple) and not isinstance(progs, _Pending) and isinstance(progs[0], Upgrade):
-                up = progs[0]
-                up()  # starts it if no call has
-                pairs.append((up.quick, up.future.result()))
-        return pairs
+        """Wait for every quick first prefill's default compile (`Upgrade`; benchmarks time the steady state after
+        it). Returns the (quick, default) compiled pairs."""
+        return [(progs[0].quick, progs[0]()) for progs in self.compiled.values()
+                if not isinstance(progs, _Pending) and isinstance(progs[0], Upgrade)]
 
     @staticmethod
     def applies(flag, weights) -> bool:
@@ -132,7 +126,7 @@ class Programs:
             if isinstance(progs, _Pending):
                 self.compiled[sig] = progs.done()
         except BaseException:
-            if isinstance(progs, _Pending):  # a failed compile is not kept: the next call builds again
+            if isinstance(progs, _Pending) or isinstance(progs[0], Upgrade):  # a failed compile is not kept
                 self.compiled.pop(sig, None)
             raise
         return pre, (carry[5], carry[6], carry[7], carry[9])
@@ -149,10 +143,10 @@ class Programs:
             out = compile_lowered(lowered, options)
             return out, (round(start - t0, 3), round(time.perf_counter() - t0, 3))
 
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 + len(later))
         s = self.sampler
         quick = s.quick_first_prefill if s.quick_first_prefill is not None else jax.default_backend() == "tpu"
         quick = quick and s.prefill_compile_options is None
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 + len(later) + quick)
         lowereds = []
 
         def submit(traced, options=None):
@@ -171,6 +165,7 @@ class Programs:
             for size in later:
                 carry = submit(self.phase.trace(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop,
                                                 max_new_row, params=params, max_new=max_new, prompt=P, size=size))
+            default = pool.submit(timed_compile, lowereds[0], None) if quick else None  # for the later calls
         finally:
             pool.shutdown(wait=False)  # the submitted compiles go on; the pool's threads end with them
 
@@ -179,7 +174,7 @@ class Programs:
             self.last_build = {"lowered_at": lowered_at, "compile_spans": list(spans),
                                "build_s": round(max(end for _, end in spans), 3)}
 
-        return _Pending(futures, finished, lowereds[0] if quick else None)
+        return _Pending(futures, finished, default)
 
 
 class _Pending(tuple):
@@ -202,23 +197,18 @@ class _Pending(tuple):
 
 
 class Upgrade:
-    """The prefill of a quick first call (`Sampler.quick_first_prefill`): compiled at QUICK_PREFILL's effort for that
-    call; from the second call on, the same lowered program compiles with XLA's defaults in a background thread and
-    replaces it once ready (the calls in between keep the quick one). Both are the same HLO; XLA's effort changes
-    its schedule and prefetching, not the arithmetic (checked bitwise on a TPU v5e: benchmarks/tpu.py's
-    `quick_prefill_equal`). Called, it returns the program to run."""
+    """The prefill after a quick first call (`Sampler.quick_first_prefill`): the first call ran the prefill compiled
+    at QUICK_PREFILL's effort; the same lowered program compiles with XLA's defaults beside the first call's programs
+    (one more thread of its pool), and every later call runs that one, waiting for its compile if it has not ended:
+    which program a call runs never depends on timing. The two are not bitwise equal on a TPU (llama3-1b, random
+    weights: logits within 0.126, greedy argmax equal in 61 of 64 rows), so a first call can differ from a later
+    call with the same inputs; the trainers turn it off (their rollouts resume bitwise). Called: the program."""
 
-    def __init__(self, lowered, quick):
-        self.lowered, self.quick, self.future = lowered, quick, None
+    def __init__(self, future, quick):
+        self.future, self.quick = future, quick
 
     def __call__(self):
-        if self.future is None:
-            self.future = _BACKGROUND.submit(compile_lowered, self.lowered)
-            return self.quick
-        if self.future.done() and self.future.exception() is None:
-            self.lowered = None
-            return self.future.result()
-        return self.quick
+        return self.future.result()[0]
 
 
 def _result(future):

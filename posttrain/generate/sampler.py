@@ -89,11 +89,11 @@ class Sampler:
     # XLA build options for the prefill program of that concurrent compile, e.g. {"exec_time_optimization_effort":
     # -1.0}; None: XLA's defaults (after the quick first prefill below, if on)
     prefill_compile_options: Optional[dict] = None
-    # the concurrent compile's first call compiles its prefill at XLA's lowest effort (programs.QUICK_PREFILL: on a
-    # TPU v5e, llama3-1b 64 x 128 prompt tokens, ~18 -> ~5 s of compile, the first call 21.1-21.6 -> 17.8-18.7 s); from
-    # the second call on, the default program compiles in the background and replaces it (programs.Upgrade: the
-    # quick one runs without XLA's prefetching, 0.124 -> 0.298 s there). None: on a TPU when prefill_compile_options
-    # is None
+    # the concurrent compile's first call of a shape runs its prefill compiled at XLA's lowest effort (programs.
+    # QUICK_PREFILL: on a TPU v5e, llama3-1b 64 x 128 prompt tokens, ~18 -> ~5 s of compile: the first call 20.5 ->
+    # 17.6-18.3 s); later calls run the default compile, made beside it (programs.Upgrade; the quick one runs without
+    # XLA's prefetching, 0.124 -> 0.298 s there, and is not bitwise the default's). None: on a TPU when
+    # prefill_compile_options is None; the trainers set False (their rollouts resume bitwise)
     quick_first_prefill: Optional[bool] = None
 
     def __init__(self, model: Transformer, *, max_len: Optional[int] = None,

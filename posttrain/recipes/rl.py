@@ -105,10 +105,12 @@ class RLRecipe(Recipe):
         rollout = getattr(c, "rollout", None)
         own = self.sampler_devices is not None  # rollout.devices: the sampler's own mesh (data parallel)
         mesh, rules = (make_mesh("dp", self.sampler_devices), preset_rules("dp")) if own else (self.mesh, self.rules)
-        return Sampler(self.model if model is None else model, max_len=c.data.max_prompt_length + self.width,
-                       pad_id=self.tokenizer.pad_id, mesh=mesh, rules=rules, buckets=(self.longest,),
-                       dtype=rollout.dtype if rollout is not None else None, own_mesh=own,
-                       kv_dtype=rollout.kv_dtype if rollout is not None else None)
+        sampler = Sampler(self.model if model is None else model, max_len=c.data.max_prompt_length + self.width,
+                          pad_id=self.tokenizer.pad_id, mesh=mesh, rules=rules, buckets=(self.longest,),
+                          dtype=rollout.dtype if rollout is not None else None, own_mesh=own,
+                          kv_dtype=rollout.kv_dtype if rollout is not None else None)
+        sampler.quick_first_prefill = False  # a resumed run's first rollout runs the program the run would have
+        return sampler
 
     def sampling_params(self, **extra) -> SamplingParams:
         s = self.section
