@@ -46,8 +46,8 @@ ap.add_argument("--kv-dtype", default=None, help="sample, grpo: the KV cache's s
 ap.add_argument("--prefill-effort", type=float, default=None, help="sample: XLA's exec_time_optimization_effort "
                 "for the prefill program alone (Sampler.prefill_compile_options), e.g. -1.0: a shorter first call")
 ap.add_argument("--quick-prefill", default=None, action=argparse.BooleanOptionalAction,
-                help="sample: Sampler.quick_first_prefill (default: the sampler's, on a TPU only); --quick-prefill "
-                     "also splits the programs on a CPU (concurrent_compile)")
+                help="sample: Sampler.quick_first_prefill (default: off, the Sampler's; what `posttrain generate` "
+                     "turns on); --quick-prefill also splits the programs on a CPU (concurrent_compile)")
 ap.add_argument("--hbm-gbs", type=float, default=819.0, help="HBM bandwidth, GB/s (v5e: 819)")
 ap.add_argument("--no-clip", action="store_true", help="sft/lora: plain AdamW without the trainer's default "
                 "global-norm clipping (optim.max_grad_norm: null): the gradients need not all be live at once")
@@ -218,7 +218,7 @@ def sample(B, P, N):
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(3, cfg.vocab_size, P - 1).tolist() for _ in range(B)]
     params = SamplingParams(max_new_tokens=N, temperature=0.0)
-    pairs = []  # the quick first prefill and its default-effort replacement (programs.Upgrade), on a TPU
+    pairs = []  # the quick first prefill and its default-effort replacement (programs.Upgrade), --quick-prefill
     out, first, times = timed(lambda: sampler.generate(prompts, params, key=jax.random.key(0)), args.steps,
                               settle=lambda: pairs.extend(sampler._programs.settle()))
     assert (np.asarray(out.lengths) == N).all()

@@ -50,6 +50,7 @@ def _generate(args) -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, n=args.n, stop_ids=tok.eos_ids)
     sampler = Sampler(model, max_len=len(ids) + args.max_new_tokens, kv_dtype=args.kv_dtype)
+    sampler.quick_first_prefill = True  # one call: its prefill compiles at XLA's lowest effort (a TPU's first call)
     out = sampler.generate([ids], params, key=jax.random.key(args.seed),
                            images=None if images is None else [images.inputs])
     for i, text in enumerate(out.texts(tok)):

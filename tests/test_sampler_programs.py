@@ -165,55 +165,38 @@ def test_first_call_runs_each_program_once_its_compile_ends(monkeypatch):
 
 def test_quick_first_prefill_then_the_default_compile(monkeypatch):
     """`Sampler.quick_first_prefill`: the first call's prefill compiles with programs.QUICK_PREFILL, the decode
-    programs with the defaults, and the same prefill with the defaults beside them (its compile held here until the
-    first call has run: the first call does not wait for it); every later call runs that default one. Tokens and
-    log-probs equal the one-program decode's (a CPU: the two compiles give the same bits)."""
-    seen, first_done = [], threading.Event()
+    programs with the defaults; the second call compiles the same prefill with the defaults and runs it, as every
+    later call does. Tokens and log-probs equal the one-program decode's (a CPU: the two compiles give the same
+    bits). Off by default."""
+    seen = []
     real = programs.compile_lowered
 
     def record(lowered, options=None):
-        prefill = "prefill" in lowered.as_text().split("\n", 1)[0]
-        seen.append((prefill, options))
-        if prefill and options is None:
-            assert first_done.wait(60)
+        seen.append(("prefill" in lowered.as_text().split("\n", 1)[0], options))
         return real(lowered, options)
 
     monkeypatch.setattr(programs, "compile_lowered", record)
     new = 40
     params = SamplingParams(max_new_tokens=new, temperature=1.0)
     s = Sampler(_model("llama"), max_len=16 + new)
+    assert s.quick_first_prefill is False
     s.concurrent_compile, s.quick_first_prefill = True, True
 
     def run():
         return s.generate(_prompts(0), params, key=jax.random.key(4))
 
     first = run()
-    first_done.set()
     n = 1 + len(phase_sizes(16, new))
-    assert sorted(seen, key=str) == sorted([(True, programs.QUICK_PREFILL), (True, None)] + [(False, None)] * (n - 1),
-                                           key=str)
+    assert seen[0] == (True, programs.QUICK_PREFILL) and seen[1:] == [(False, None)] * (n - 1)
     up = next(iter(s._programs.compiled.values()))[0]
-    assert isinstance(up, programs.Upgrade)
-    _equal(run(), first)  # waits for the default compile, then runs it
-    assert up.future.done() and len(seen) == n + 1
+    assert isinstance(up, programs.Upgrade) and up.default is None
+    _equal(run(), first)  # compiles the default prefill, then runs it
+    assert seen[n:] == [(True, None)] and up.default is not None
+    _equal(run(), first)
     (quick, default), = s._programs.settle()
-    assert quick is not default and up() is default
+    assert len(seen) == n + 1 and quick is not default and up() is default
     a, b = (jax.tree.leaves(p(s._weights, *s._programs.last_prefill_args)) for p in (quick, default))
     assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
     s.concurrent_compile = False
     _equal(first, run())  # the one-program decode
     assert s._programs.counts == {"lowered": n, "compiled": n}
-
-
-def test_trainers_sample_without_the_quick_prefill():
-    """The RL recipes' sampler never runs a quick first prefill (a resumed run's first rollout would run another
-    program than the run it resumes), whatever the backend."""
-    from posttrain.recipes.rl import RLRecipe
-
-    class Fake:
-        config = type("C", (), {"data": type("D", (), {"max_prompt_length": 16})(), "rollout": None})()
-        sampler_devices, mesh, rules, width, longest = None, None, None, 8, 16
-        model = _model("llama")
-        tokenizer = type("T", (), {"pad_id": 0})()
-
-    assert RLRecipe.make_sampler(Fake()).quick_first_prefill is False

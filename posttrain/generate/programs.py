@@ -33,9 +33,10 @@ import jax
 from posttrain.generate.shapes import grow, phase_sizes, repeat_rows
 from posttrain.models import scan
 
-# The first call's prefill on a TPU: XLA's lowest compile effort. The prefill is a new shape's longest compile
-# (llama3-1b, 64 x 128 prompt tokens, v5e: ~18 s of a first call's ~21 s; effort -1.0: ~5 s), and at that effort it
-# runs without XLA's prefetching (that prefill 0.124 -> 0.298 s): later calls run the default compile (`Upgrade`).
+# A quick first call's prefill (`Sampler.quick_first_prefill`): XLA's lowest compile effort. The prefill is a new
+# shape's longest compile (llama3-1b, 64 x 128 prompt tokens, v5e: ~18 s of a first call's ~21 s; effort -1.0: ~5 s),
+# and at that effort it runs without XLA's prefetching (that prefill 0.124 -> 0.298 s): later calls run the default
+# compile (`Upgrade`).
 QUICK_PREFILL = {"exec_time_optimization_effort": -1.0}
 
 
@@ -94,8 +95,8 @@ class Programs:
         self.last_prefill_args = None
 
     def settle(self) -> list:
-        """Wait for every quick first prefill's default compile (`Upgrade`; benchmarks time the steady state after
-        it). Returns the (quick, default) compiled pairs."""
+        """Compile every quick first prefill's default program (`Upgrade`) now: benchmarks time the steady state
+        after it. Returns the (quick, default) compiled pairs."""
         return [(progs[0].quick, progs[0]()) for progs in self.compiled.values()
                 if not isinstance(progs, _Pending) and isinstance(progs[0], Upgrade)]
 
@@ -144,9 +145,8 @@ class Programs:
             return out, (round(start - t0, 3), round(time.perf_counter() - t0, 3))
 
         s = self.sampler
-        quick = s.quick_first_prefill if s.quick_first_prefill is not None else jax.default_backend() == "tpu"
-        quick = quick and s.prefill_compile_options is None
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 + len(later) + quick)
+        quick = s.quick_first_prefill and s.prefill_compile_options is None
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 + len(later))
         lowereds = []
 
         def submit(traced, options=None):
@@ -165,7 +165,6 @@ class Programs:
             for size in later:
                 carry = submit(self.phase.trace(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop,
                                                 max_new_row, params=params, max_new=max_new, prompt=P, size=size))
-            default = pool.submit(timed_compile, lowereds[0], None) if quick else None  # for the later calls
         finally:
             pool.shutdown(wait=False)  # the submitted compiles go on; the pool's threads end with them
 
@@ -174,7 +173,7 @@ class Programs:
             self.last_build = {"lowered_at": lowered_at, "compile_spans": list(spans),
                                "build_s": round(max(end for _, end in spans), 3)}
 
-        return _Pending(futures, finished, default)
+        return _Pending(futures, finished, lowereds[0] if quick else None)
 
 
 class _Pending(tuple):
@@ -198,17 +197,19 @@ class _Pending(tuple):
 
 class Upgrade:
     """The prefill after a quick first call (`Sampler.quick_first_prefill`): the first call ran the prefill compiled
-    at QUICK_PREFILL's effort; the same lowered program compiles with XLA's defaults beside the first call's programs
-    (one more thread of its pool), and every later call runs that one, waiting for its compile if it has not ended:
-    which program a call runs never depends on timing. The two are not bitwise equal on a TPU (llama3-1b, random
-    weights: logits within 0.126, greedy argmax equal in 61 of 64 rows), so a first call can differ from a later
-    call with the same inputs; the trainers turn it off (their rollouts resume bitwise). Called: the program."""
+    at QUICK_PREFILL's effort; the second call compiles the same lowered program with XLA's defaults (in its own
+    thread: that call waits for it) and every later call runs that one, so which program a call runs never depends
+    on timing. The two are not bitwise equal on a TPU (llama3-1b, random weights: logits within 0.126, greedy argmax
+    equal in 61 of 64 rows). Called: the program to run."""
 
-    def __init__(self, future, quick):
-        self.future, self.quick = future, quick
+    def __init__(self, lowered, quick):
+        self.lowered, self.quick, self.default = lowered, quick, None
 
     def __call__(self):
-        return self.future.result()[0]
+        if self.default is None:
+            self.default = compile_lowered(self.lowered)
+            self.lowered = None
+        return self.default
 
 
 def _result(future):

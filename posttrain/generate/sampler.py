@@ -89,12 +89,13 @@ class Sampler:
     # XLA build options for the prefill program of that concurrent compile, e.g. {"exec_time_optimization_effort":
     # -1.0}; None: XLA's defaults (after the quick first prefill below, if on)
     prefill_compile_options: Optional[dict] = None
-    # the concurrent compile's first call of a shape runs its prefill compiled at XLA's lowest effort (programs.
-    # QUICK_PREFILL: on a TPU v5e, llama3-1b 64 x 128 prompt tokens, ~18 -> ~5 s of compile: the first call 20.5 ->
-    # 17.6-18.3 s); later calls run the default compile, made beside it (programs.Upgrade; the quick one runs without
-    # XLA's prefetching, 0.124 -> 0.298 s there, and is not bitwise the default's). None: on a TPU when
-    # prefill_compile_options is None; the trainers set False (their rollouts resume bitwise)
-    quick_first_prefill: Optional[bool] = None
+    # True: the concurrent compile's first call of a shape runs its prefill compiled at XLA's lowest effort
+    # (programs.QUICK_PREFILL; TPU v5e, llama3-1b, 64 x 128 prompt tokens: the first call 20.5-21.6 -> 17.6-18.4 s),
+    # the second call compiles the default prefill and runs it, as every later call does (programs.Upgrade). The quick
+    # program runs without XLA's prefetching (0.124 -> 0.298 s there) and its logits are not bitwise the default's,
+    # so a first call can differ from a later call on the same inputs at bfloat16 rounding. `posttrain generate`
+    # (one call) turns it on; False elsewhere (the trainers' rollouts resume bitwise)
+    quick_first_prefill: bool = False
 
     def __init__(self, model: Transformer, *, max_len: Optional[int] = None,
                  buckets: Optional[Sequence[int]] = None, pad_id: int = 0, mesh=None, rules=None,

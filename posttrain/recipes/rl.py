@@ -105,12 +105,10 @@ class RLRecipe(Recipe):
         rollout = getattr(c, "rollout", None)
         own = self.sampler_devices is not None  # rollout.devices: the sampler's own mesh (data parallel)
         mesh, rules = (make_mesh("dp", self.sampler_devices), preset_rules("dp")) if own else (self.mesh, self.rules)
-        sampler = Sampler(self.model if model is None else model, max_len=c.data.max_prompt_length + self.width,
-                          pad_id=self.tokenizer.pad_id, mesh=mesh, rules=rules, buckets=(self.longest,),
-                          dtype=rollout.dtype if rollout is not None else None, own_mesh=own,
-                          kv_dtype=rollout.kv_dtype if rollout is not None else None)
-        sampler.quick_first_prefill = False  # a resumed run's first rollout runs the program the run would have
-        return sampler
+        return Sampler(self.model if model is None else model, max_len=c.data.max_prompt_length + self.width,
+                       pad_id=self.tokenizer.pad_id, mesh=mesh, rules=rules, buckets=(self.longest,),
+                       dtype=rollout.dtype if rollout is not None else None, own_mesh=own,
+                       kv_dtype=rollout.kv_dtype if rollout is not None else None)
 
     def sampling_params(self, **extra) -> SamplingParams:
         s = self.section

@@ -165,7 +165,6 @@ class DistillTrainer(Recipe):
             longest = max(len(p.ids) for p in self.prompts)
             sampler = Sampler(self.model, max_len=longest + d.max_new_tokens, pad_id=tok.pad_id, mesh=self.mesh,
                               rules=self.rules, buckets=(longest,))
-            sampler.quick_first_prefill = False  # resumed runs sample with the program the run would have
             params = SamplingParams(max_new_tokens=d.max_new_tokens, temperature=d.sample_temperature,
                                     stop_ids=tok.eos_ids)
             return OnPolicyBatches(offline, self.prompts, sampler, graphdef, batch_size=c.train.batch_size,
