@@ -127,7 +127,8 @@ class Programs:
             if isinstance(progs, _Pending):
                 self.compiled[sig] = progs.done()
         except BaseException:
-            if isinstance(progs, _Pending) or isinstance(progs[0], Upgrade):  # a failed compile is not kept
+            if isinstance(progs, _Pending) or (isinstance(progs[0], Upgrade) and progs[0].default is None):
+                # a failed compile is not kept: the next call builds again
                 self.compiled.pop(sig, None)
             raise
         return pre, (carry[5], carry[6], carry[7], carry[9])
@@ -197,9 +198,9 @@ class _Pending(tuple):
 
 class Upgrade:
     """The prefill after a quick first call (`Sampler.quick_first_prefill`): the first call ran the prefill compiled
-    at QUICK_PREFILL's effort; the second call compiles the same lowered program with XLA's defaults (in its own
-    thread: that call waits for it) and every later call runs that one, so which program a call runs never depends
-    on timing. The two are not bitwise equal on a TPU (llama3-1b, random weights: logits within 0.126, greedy argmax
+    at QUICK_PREFILL's effort; the second call compiles the same lowered program with XLA's defaults (that call
+    waits for the compile) and it and every later call run that one, so which program a call runs never depends on
+    timing. The two are not bitwise equal on a TPU (llama3-1b, random weights: logits within 0.126, greedy argmax
     equal in 61 of 64 rows). Called: the program to run."""
 
     def __init__(self, lowered, quick):
