@@ -214,7 +214,8 @@ def sample(B, P, N):
         sampler.prefill_compile_options = {"exec_time_optimization_effort": args.prefill_effort}
     if args.quick_prefill is not None:
         sampler.quick_first_prefill = args.quick_prefill
-        sampler.concurrent_compile = True if args.quick_prefill else sampler.concurrent_compile
+        if args.quick_prefill:  # the split programs (the quick prefill's path) on a CPU too
+            sampler.concurrent_compile = True
     rng = np.random.default_rng(0)
     prompts = [[1] + rng.integers(3, cfg.vocab_size, P - 1).tolist() for _ in range(B)]
     params = SamplingParams(max_new_tokens=N, temperature=0.0)

@@ -119,11 +119,12 @@ class Programs:
         progs = self.compiled[sig]
         self.last_prefill_args = (toks, pos, segs)  # (benchmarks/tpu.py runs both prefills of an Upgrade on them)
         try:
-            pre = progs[0]()(weights, toks, pos, segs)
-            carry, start, leaves = progs[1]()(weights, pre[0], pre[1], next_pos, key, stop, max_new_row)
+            pre = _program(progs[0])(weights, toks, pos, segs)
+            carry, start, leaves = _program(progs[1])(weights, pre[0], pre[1], next_pos, key, stop, max_new_row)
             pre = (None, None) + tuple(pre[2:])  # the prefill's cache is freed once the first program has it
             for phase in progs[2:]:  # the carry but its cache is donated; the smaller cache is freed once replaced
-                carry = phase()(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop, max_new_row)
+                carry = _program(phase)(weights, carry[:3] + carry[4:], carry[3], start, leaves, key, stop,
+                                        max_new_row)
             if isinstance(progs, _Pending):
                 self.compiled[sig] = progs.done()
         except BaseException:
@@ -178,22 +179,19 @@ class Programs:
 
 
 class _Pending(tuple):
-    """A new key's programs while they compile: item i is a function that waits for program i's compile and returns
-    it, so the first call runs each program as soon as its compile ends (the prefill and the first phase while the
-    later phases still compile). `done()` waits for all, records the timeline and returns the plain getters."""
+    """A new key's programs while they compile: their compiles' futures, so the first call runs each program as soon
+    as its compile ends (the prefill and the first phase while the later phases still compile). `done()` waits for
+    all, records the timeline and returns the programs (the prefill as an `Upgrade` after a quick one)."""
 
     def __new__(cls, futures, finished, upgrade=None):
-        out = super().__new__(cls, tuple(functools.partial(_result, f) for f in futures))
-        out.futures, out.finished, out.upgrade = futures, finished, upgrade
+        out = super().__new__(cls, futures)
+        out.finished, out.upgrade = finished, upgrade
         return out
 
     def done(self):
-        results = [f.result() for f in self.futures]
-        self.finished([span for _, span in results])
-        getters = [functools.partial(_same, program) for program, _ in results]
-        if self.upgrade is not None:
-            getters[0] = Upgrade(self.upgrade, results[0][0])
-        return tuple(getters)
+        programs, spans = zip(*[f.result() for f in self])
+        self.finished(list(spans))
+        return (programs[0] if self.upgrade is None else Upgrade(self.upgrade, programs[0]),) + programs[1:]
 
 
 class Upgrade:
@@ -201,7 +199,7 @@ class Upgrade:
     at QUICK_PREFILL's effort; the second call compiles the same lowered program with XLA's defaults (that call
     waits for the compile) and it and every later call run that one, so which program a call runs never depends on
     timing. The two are not bitwise equal on a TPU (llama3-1b, random weights: logits within 0.126, greedy argmax
-    equal in 61 of 64 rows). Called: the program to run."""
+    equal in 61 of 64 rows). Called: the default program (compiled on the first such call)."""
 
     def __init__(self, lowered, quick):
         self.lowered, self.quick, self.default = lowered, quick, None
@@ -213,9 +211,9 @@ class Upgrade:
         return self.default
 
 
-def _result(future):
-    return future.result()[0]
-
-
-def _same(program):
-    return program
+def _program(p):
+    """The program to run from what `Programs.compiled` holds: a compile's future (the first call), an Upgrade, or
+    the compiled program itself."""
+    if isinstance(p, concurrent.futures.Future):
+        return p.result()[0]
+    return p() if isinstance(p, Upgrade) else p
