@@ -102,12 +102,6 @@ class TrainStep:
         return getattr(self.stage, name)
 
 
-def guard_in_branch() -> bool:
-    """Whether the step's non-finite guard runs the update in a `lax.cond` branch (a CPU) or keeps the old state
-    through `where(ok, new, old)` (an accelerator): see the guard in `make_train_step`. Read at trace time."""
-    return jax.default_backend() == "cpu"
-
-
 def make_train_step(loss_fn: Callable, optimizer, graphdef, *,
                     micro_batches: int = 1, schedule=None,
                     frozen_graphdef=None, trainable=nnx.Param, mesh=None, rules=None) -> TrainStep:
@@ -180,26 +174,19 @@ def make_train_step(loss_fn: Callable, optimizer, graphdef, *,
         out["grad_norm"] = optax.tree.norm(grads)
         if schedule is not None:
             out["lr"] = schedule(state.step)
-        # Non-finite guard: a NaN/Inf loss or gradient keeps the old weights and optimizer state. On a CPU the update
-        # runs in a `lax.cond` branch, not through `where(ok, new, old)`: that read the old moments after the in-place
-        # update, and XLA:CPU copied every moment at the step's start (the tiny Qwen3-VL step: 71 copies, ~20 ms of
-        # ~1.17 s at 1 thread; at 2 threads, both in one process, median 0.738 -> 0.700 and 0.874 -> 0.832 s). On an
-        # accelerator the `where`: there the branch's outputs cannot alias its donated inputs, and the TPU v5e's
-        # llama3-1b 1 x 2048 step kept ~2 GB more temporaries (XLA's memory_analysis: 5.58 against 3.59 GB).
-        # The same weights either way for a finite step's full fine-tuning; other runs' last bits can differ.
+        # Non-finite guard: a NaN/Inf loss or gradient keeps the old weights and optimizer state, through
+        # `where(ok, new, old)` after the update. A `lax.cond` branch around the update (the tenth stop's CPU form)
+        # saved XLA:CPU a copy of every AdamW moment (the tiny Qwen3-VL step at 2 threads: 0.738 -> 0.700 s), but it
+        # changed the last bits of training runs (the demo's SFT logs a grad_norm that differs in its last digit from
+        # step 3, and the losses part by step 40), and `posttrain demo` on an AVX-512 CPU went from its documented
+        # 43.5 / 62.5 / 63.5 / 69.0 % to 28.5 / 49.0 / 54.0 / 57.5 %; on a TPU the branch's outputs could not alias
+        # the donated state (llama3-1b 1 x 2048: 5.58 against 3.59 GB of temporaries). docs/perf_notes.md.
         ok = jnp.isfinite(out["grad_norm"]) & jnp.isfinite(metrics["loss"] if "loss" in metrics else denom)
         keep = functools.partial(jax.tree.map, lambda new, old: new if jnp.issubdtype(
             new.dtype, jax.dtypes.prng_key) else jnp.where(ok, new, old))
-
-        def apply(grads, opt_state, params):
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        if guard_in_branch():
-            params, opt_state = jax.lax.cond(ok, apply, lambda g, o, p: (p, o), grads, state.opt_state, state.params)
-        else:
-            params, opt_state = apply(grads, state.opt_state, state.params)
-            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = keep(optax.apply_updates(state.params, updates), state.params)
+        opt_state = keep(opt_state, state.opt_state)
         nonfinite = jnp.where(ok, 0, state.nonfinite + 1).astype(jnp.int32)
         out["skipped"] = 1.0 - ok.astype(jnp.float32)
         out["nonfinite_run"] = nonfinite
