@@ -234,7 +234,8 @@ def test_lora_kto_raises_greedy_accuracy_of_an_sft_model(tmp_path, sft_addition)
     the bits of one train-step change took it to +4 in `make test`). 150 steps: +5 (the gain peaks, then falls).
     From the 0.610 start of the `lax.cond` guard's bits, desirable_weight 2: +5 and +6 (sampling seeds 0, 1); lr 7e-5
     -1, lr 3e-5 x 200 steps +1.5, 2,048 prompts +4.5. desirable_weight 3 (now): +6.5 / +9.5 / +9 (sampling seeds
-    0-2), +7.5 (data seed 1); from the 0.450 start (the step before the guard) +10 / +11 (seeds 0, 1)."""
+    0-2), +7.5 (data seed 1); from the 0.450 start (the step before the guard, and again since the thirteenth
+    stop took the guard back to `where`) +10 / +11 (seeds 0, 1)."""
     import jax
 
     from posttrain.models import from_pretrained
