@@ -27,6 +27,30 @@ def _config(run_dir, **over):
     return C.load(C.SFTConfig, None, overrides)
 
 
+def test_the_guard_leaves_a_finite_run_bitwise_alone(tmp_path, monkeypatch):
+    """30 SFT steps (clipping on, as by default) with the guard and without it end with the same bits. The tenth
+    stop's guard, the update inside a `lax.cond` branch, failed this (its clip computed the gradient norm in its own
+    fusion): it moved every clipped run's last bits and `posttrain demo`'s table with them (docs/testing.md)."""
+    import functools
+
+    from flax import nnx
+
+    import posttrain.recipes.recipe as recipe_mod
+    from posttrain.train import make_train_step
+
+    def run(name):
+        trainer = SFTTrainer(_config(tmp_path / name, **{"train.steps": 30, "checkpoint.every": 1000,
+                                                          "metrics.sinks": "[]"}), progress=False)
+        trainer.train()
+        return [np.asarray(x) for x in jax.tree.leaves(nnx.state(trainer.model))]
+
+    guarded = run("guarded")
+    monkeypatch.setattr(recipe_mod, "make_train_step", functools.partial(make_train_step, nonfinite_guard=False))
+    plain = run("plain")
+    assert len(guarded) == len(plain)
+    assert all(np.array_equal(a, b) for a, b in zip(guarded, plain))
+
+
 def test_nonfinite_step_is_skipped_and_counted():
     from flax import nnx
 

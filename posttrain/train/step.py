@@ -104,7 +104,8 @@ class TrainStep:
 
 def make_train_step(loss_fn: Callable, optimizer, graphdef, *,
                     micro_batches: int = 1, schedule=None,
-                    frozen_graphdef=None, trainable=nnx.Param, mesh=None, rules=None) -> TrainStep:
+                    frozen_graphdef=None, trainable=nnx.Param, mesh=None, rules=None,
+                    nonfinite_guard: bool = True) -> TrainStep:
     """Build the jitted `step(state, batch, frozen=None) -> (state, metrics)`.
 
     `optimizer`: an optax GradientTransformation or an `optim.Optimizer` (its numbers are arguments of the step);
@@ -114,6 +115,8 @@ def make_train_step(loss_fn: Callable, optimizer, graphdef, *,
     `frozen_graphdef` and handed to `loss_fn(policy, batch, frozen=..., rng=...)`.
     With a `mesh`, the step is traced inside `use_mesh(mesh, rules)`, so the model's logical
     sharding constraints apply; the state keeps the shardings it was given (`shard_state`).
+    `nonfinite_guard=False` drops the guard that keeps the old state after a NaN/Inf step (such a step then writes
+    NaNs into the weights): for checking that the guard leaves a finite run's bits alone (tests/test_nonfinite.py).
     """
 
     def grads_of(params, rest, batch, frozen_model, rng):
@@ -180,13 +183,15 @@ def make_train_step(loss_fn: Callable, optimizer, graphdef, *,
         # changed the last bits of training runs (the demo's SFT logs a grad_norm that differs in its last digit from
         # step 3, and the losses part by step 40), and `posttrain demo` on an AVX-512 CPU went from its documented
         # 43.5 / 62.5 / 63.5 / 69.0 % to 28.5 / 49.0 / 54.0 / 57.5 %; on a TPU the branch's outputs could not alias
-        # the donated state (llama3-1b 1 x 2048: 5.58 against 3.59 GB of temporaries). docs/perf_notes.md.
+        # the donated state (llama3-1b 1 x 2048: 5.58 against 3.59 GB of temporaries). tests/test_nonfinite.py checks
+        # that the guard leaves a finite run's bits alone (the branch fails it).
         ok = jnp.isfinite(out["grad_norm"]) & jnp.isfinite(metrics["loss"] if "loss" in metrics else denom)
         keep = functools.partial(jax.tree.map, lambda new, old: new if jnp.issubdtype(
             new.dtype, jax.dtypes.prng_key) else jnp.where(ok, new, old))
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = keep(optax.apply_updates(state.params, updates), state.params)
-        opt_state = keep(opt_state, state.opt_state)
+        params = optax.apply_updates(state.params, updates)
+        if nonfinite_guard:
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         nonfinite = jnp.where(ok, 0, state.nonfinite + 1).astype(jnp.int32)
         out["skipped"] = 1.0 - ok.astype(jnp.float32)
         out["nonfinite_run"] = nonfinite
