@@ -29,8 +29,8 @@ def _config(run_dir, **over):
 
 def test_the_guard_leaves_a_finite_run_bitwise_alone(tmp_path, monkeypatch):
     """30 SFT steps (clipping on, as by default) with the guard and without it end with the same bits. The tenth
-    stop's guard, the update inside a `lax.cond` branch, failed this (its clip computed the gradient norm in its own
-    fusion): it moved every clipped run's last bits and `posttrain demo`'s table with them (docs/testing.md)."""
+    stop's guard, the update inside a `lax.cond` branch, failed this: with clipping on it moved a run's last bits
+    (without clipping the two forms agreed) and `posttrain demo`'s table with them (docs/testing.md)."""
     import functools
 
     from flax import nnx
