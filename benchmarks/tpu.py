@@ -41,6 +41,9 @@ ap.add_argument("--profile", default=None, help="trace one more call with jax.pr
 ap.add_argument("--rollout-dtype", default=None, help="grpo: the sampler's precision (rollout.dtype), e.g. bfloat16 "
                 "beside a float32 model; the line gets the sampler/trainer mismatch KL (sampling/mismatch_kl)")
 ap.add_argument("--is-mode", default=None, help="grpo: rollout.is_mode, the mismatch correction (token_truncate, ...)")
+ap.add_argument("--decode-kernel", default=None, action=argparse.BooleanOptionalAction,
+                help="sample: a TPU's decode steps through the Pallas kernel (attention.DECODE_KERNEL, the default) "
+                     "or --no-decode-kernel: the dense XLA path")
 ap.add_argument("--kv-dtype", default=None, help="sample, grpo: the KV cache's storage dtype (Sampler kv_dtype, "
                 "rollout.kv_dtype), e.g. float8_e4m3fn; default: the compute dtype")
 ap.add_argument("--prefill-effort", type=float, default=None, help="sample: XLA's exec_time_optimization_effort "
@@ -54,6 +57,10 @@ ap.add_argument("--no-clip", action="store_true", help="sft/lora: plain AdamW wi
 ap.add_argument("--splash-block", type=int, default=None, help="the splash-attention tile (models/attention_tpu.py "
                 "BLOCKS: the largest that divides the row is used), e.g. 1024")
 args = ap.parse_args()
+if args.decode_kernel is not None:
+    import posttrain.models.attention as _attention
+
+    _attention.DECODE_KERNEL = args.decode_kernel
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -50,6 +50,14 @@ def test_choose_tpu():
     assert A.choose("tpu", window=True, **kw) == "blockwise"
     assert A.choose("tpu", sinks=True, **{**kw, "softcap": True}) == "blockwise"
     assert A.choose("tpu", **{**kw, "T": 1}) == "dense"
+    one = {**kw, "T": 1, "cached": True}  # a decode step against a cache: the Pallas decode kernel
+    assert A.choose("tpu", **one) == "decode"
+    assert A.choose("tpu", window=True, **{**one, "softcap": True}) == "decode"
+    assert A.choose("tpu", **{**one, "branches": True}) == "dense"  # prefix-shared rows, sinks, images: dense
+    assert A.choose("tpu", sinks=True, **{**one, "softcap": True}) == "dense"
+    assert A.choose("tpu", images=True, **one) == "dense"
+    assert A.choose("tpu", return_probs=True, **one) == "dense"
+    assert A.choose("cpu", **one) == "dense"
 
 
 def test_splash_kernel_reused_across_traces():
@@ -106,3 +114,55 @@ def test_long_rows_take_the_long_tile_and_equal_dense(monkeypatch):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5 * ATOL)
     finally:
         AT._kernel.cache_clear()  # kernels built under the lowered LONG must not serve later tests
+
+
+# (dtype, pack: heads a cache row holds, window, cap, blocks: (rows, slots) a grid step or None for decode_blocks)
+DECODE = {"f32": (jnp.float32, 1, None, None, None), "packed": (jnp.float32, 4, None, None, (2, 128)),
+          "window_cap": (jnp.float32, 2, 40, 5.0, (3, 128)), "one_block": (jnp.float32, 2, None, None, (6, 300)),
+          "bf16": (jnp.bfloat16, 4, None, None, (1, 128)), "float8": (jnp.bfloat16, 2, None, None, (2, 256))}
+
+
+@pytest.mark.parametrize("case", list(DECODE))
+def test_decode_kernel_equals_dense(case):
+    """One query a row against a cache of 300 slots filled to slot 200 (so the blocks after it are skipped and a
+    128-slot grid's last block runs past the cache), left padding of 0-35 slots, a row with no key at all: the
+    Pallas decode kernel (interpreted on a CPU) equals `dense` on the same cache, packed P heads a row or not."""
+    dt, P, window, cap, blocks = DECODE[case]
+    Bd, Kd, Gd, Hd, S, idx = 6, 4, 3, 32, 300, 200
+    r = np.random.default_rng(3)
+    q = jnp.asarray(r.normal(size=(Bd, 1, Kd, Gd, Hd)) * 2, dt)  # scores ~ 8: a cap of 5 bites
+    k = jnp.asarray(r.normal(size=(Bd, Kd, S, Hd)), dt)
+    v = jnp.asarray(r.normal(size=(Bd, Kd, S, Hd)), dt)
+    if case == "float8":  # a float8 cache: the kernel casts it as dense does
+        k, v = k.astype(jnp.float8_e4m3fn), v.astype(jnp.float8_e4m3fn)
+    pos = np.full((Bd, S), -1, np.int32)
+    for b in range(Bd - 1):
+        pos[b, 7 * b:idx + 1] = np.arange(idx + 1 - 7 * b)
+    lay = A.Layout(jnp.asarray(pos[:, idx:idx + 1]), jnp.asarray(pos), jnp.asarray([idx], jnp.int32),
+                   jnp.arange(S, dtype=jnp.int32))
+    ref, _ = A.attention(q, A.pack_heads(k, P), A.pack_heads(v, P), lay, window=window, scale=Hd ** -0.5, cap=cap,
+                         impl="dense")
+    from posttrain.models.attention_tpu import decode
+
+    interpret = jax.default_backend() != "tpu"  # the kernel itself on a TPU
+    got = decode(q, A.pack_heads(k, P), A.pack_heads(v, P), lay, scale=Hd ** -0.5, cap=cap, window=window,
+                 interpret=interpret, blocks=blocks)
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    tol = 2 * ATOL if dt == jnp.float32 else 2e-2  # bfloat16: dense rounds its scores to bfloat16, the kernel not
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), atol=tol)
+    assert not np.asarray(got[-1]).any()  # the row with no key outputs zeros
+    if window is not None:  # the window bites: without it the outputs differ
+        far = decode(q, A.pack_heads(k, P), A.pack_heads(v, P), lay, scale=Hd ** -0.5, cap=cap, window=None,
+                     interpret=interpret, blocks=blocks)
+        assert np.abs(np.asarray(far) - np.asarray(got)).max() > 1e-2
+
+
+def test_decode_blocks():
+    """Slots: 128 a step (all of a shorter cache); rows: the largest divisor of B within DECODE_BYTES of keys."""
+    from posttrain.models.attention_tpu import DECODE_BYTES, decode_blocks
+
+    assert DECODE_BYTES == 4 << 20  # the numbers below are for 4 MiB
+    assert decode_blocks(256, 4, 640, 128, 2) == (32, 128)  # 128 KiB a row: 32 rows
+    assert decode_blocks(64, 4, 100, 128, 2) == (32, 100)  # 100 KiB a row: at most 40, the largest divisor 32
+    assert decode_blocks(6, 4, 640, 128, 2) == (6, 128)
+    assert decode_blocks(257, 4, 640, 128, 1) == (1, 128)  # 257 is prime (64 KiB a row: at most 64)

@@ -25,6 +25,9 @@ Implementations, all giving the same outputs and gradients (tests/test_attention
     runs over active tiles only. Prefix-shared rows therefore cost no attention between branches.
   - "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")` on NVIDIA GPUs for layouts it
     expresses (no branches, no soft-capping, no cache).
+  - "decode": a Pallas kernel on a TPU for decode steps (one query a row against a cache, no branches or sinks):
+    it reads the cache only up to the query's slot, in (rows x slots) blocks with an online softmax
+    (models/attention_tpu.decode); "decode_interpret" runs it interpreted on a CPU (tests).
   - "splash": JAX's Pallas splash-attention kernel on a TPU for causal rows without a cache, branches, window
     or sinks (models/attention_tpu.py); "splash_interpret" runs the same kernel interpreted on a CPU (tests).
 `choose` picks one from the backend and the static layout facts; it is unit-tested on CPU.
@@ -45,6 +48,7 @@ TILE_WORK = 65536  # rows x tile^2: the tile is the largest of 64/128/256 within
 #                   8 x 256 -> 64, 4 x 512 -> 128, 1 x 2048 -> 256 were each the fastest tile, 2-5x the dense path)
 BLOCK = None  # a fixed tile size instead (tests set it)
 DENSE_MAX = 64  # rows no longer than this use the dense path
+DECODE_KERNEL = True  # a TPU's decode steps (one query a row, a cache) through the Pallas kernel; False: dense
 TPU_TILE = 512  # blockwise tile on a TPU (prefix-shared rows, windows, caches: what splash does not take)
 
 
@@ -111,6 +115,10 @@ def attention(q, k, v, layout: Layout, *, window: Optional[int], scale: float, c
                       images=layout.q_image is not None)
     if impl == "dense" or return_probs:  # dense reads a packed cache as it is
         return dense(q, k, v, layout.mask(window), scale=scale, cap=cap, return_probs=return_probs, sinks=sinks)
+    if impl in ("decode", "decode_interpret"):  # one query a row against a cache: Pallas (models/attention_tpu.py)
+        from posttrain.models.attention_tpu import decode
+
+        return decode(q, k, v, layout, scale=scale, cap=cap, window=window, interpret=impl != "decode"), None
     if k.shape[-1] != q.shape[-1]:  # a packed cache (pack_heads): the tiled paths read heads apart
         k, v = unpack_heads(k, q.shape[-1]), unpack_heads(v, q.shape[-1])
     if impl == "cudnn":
@@ -157,6 +165,8 @@ def choose(backend: str, *, T: int, S: int, branches: bool, softcap: bool, cache
            return_probs: bool = False, window: bool = False, sinks: bool = False, images: bool = False) -> str:
     """The implementation for these static facts (see the module docstring). `softcap` is true with sinks too;
     `images`: image blocks (bidirectional inside each), which only dense and blockwise express."""
+    if backend == "tpu" and T == 1 and cached and DECODE_KERNEL and not (return_probs or branches or sinks or images):
+        return "decode"
     if return_probs or T == 1 or max(T, S) <= DENSE_MAX:
         return "dense"
     if backend == "gpu" and not (branches or softcap or cached or images):
