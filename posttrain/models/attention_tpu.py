@@ -156,6 +156,8 @@ def decode(q, k, v, layout, *, scale: float, cap, window=None, interpret: bool =
     dt = q.dtype
     eye = jnp.eye(P, dtype=dt)
     qe = (q.reshape(B, Kp, P, G, 1, H) * eye[:, None, :, None]).reshape(B, Kp, P * G, W)
+    R = -(-P * G // 8) * 8  # query rows a cache row: padded to whole sublanes (Mosaic's products take no other)
+    qe = jnp.pad(qe, ((0, 0), (0, 0), (0, R - P * G), (0, 0)))
     rows, bs = blocks or decode_blocks(B, Kp, S, W, jnp.dtype(k.dtype).itemsize)
     last = layout.q_slot[:1].astype(jnp.int32)
     kpos = layout.k_pos.astype(jnp.int32)[:, None, :]  # [B, 1, S]
@@ -170,20 +172,20 @@ def decode(q, k, v, layout, *, scale: float, cap, window=None, interpret: bool =
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=grid,
-            in_specs=[pl.BlockSpec((rows, Kp, P * G, W), lambda i, j, _: (i, 0, 0, 0)),
+            in_specs=[pl.BlockSpec((rows, Kp, R, W), lambda i, j, _: (i, 0, 0, 0)),
                       pl.BlockSpec((rows, Kp, bs, W), kv_block),
                       pl.BlockSpec((rows, Kp, bs, W), kv_block),
                       pl.BlockSpec((rows, 1, bs), lambda i, j, r: (i, 0, jnp.minimum(j, jax.lax.div(r[0], bs)))),
                       pl.BlockSpec((rows, 1, 1), lambda i, j, _: (i, 0, 0))],
-            out_specs=pl.BlockSpec((rows, Kp, P * G, W), lambda i, j, _: (i, 0, 0, 0)),
-            scratch_shapes=[pltpu.VMEM((rows * Kp, P * G, 128), jnp.float32),
-                            pltpu.VMEM((rows * Kp, P * G, 128), jnp.float32),
-                            pltpu.VMEM((rows * Kp, P * G, W), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct((B, Kp, P * G, W), dt),
+            out_specs=pl.BlockSpec((rows, Kp, R, W), lambda i, j, _: (i, 0, 0, 0)),
+            scratch_shapes=[pltpu.VMEM((rows * Kp, R, 128), jnp.float32),
+                            pltpu.VMEM((rows * Kp, R, 128), jnp.float32),
+                            pltpu.VMEM((rows * Kp, R, W), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct((B, Kp, R, W), dt),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=64 << 20),
         interpret=interpret,
     )(last, qe, k, v, kpos, qpos)
     # each query head keeps its own head's lanes
-    out = jnp.einsum("bkpgqh,pq->bkpgh", out.reshape(B, Kp, P, G, P, H), eye)
+    out = jnp.einsum("bkpgqh,pq->bkpgh", out[:, :, :P * G].reshape(B, Kp, P, G, P, H), eye)
     return out.reshape(B, 1, K, G, H)
