@@ -41,8 +41,8 @@ ap.add_argument("--programs", action="store_true", help="sample: the accelerator
 ap.add_argument("--compiler-options", default="", help="XLA build options for every compile, e.g. "
                 "exec_time_optimization_effort=-1.0 (jax's lowered.compile(compiler_options=...))")
 ap.add_argument("--decode-kernel", default=None, action=argparse.BooleanOptionalAction,
-                help="sample: a TPU's decode steps through the Pallas kernel (attention.DECODE_KERNEL, the default) "
-                     "or --no-decode-kernel: the dense XLA path")
+                help="sample: a TPU's decode steps through the Pallas kernel (attention.DECODE_KERNEL, "
+                     "off by default) or the dense XLA path (--no-decode-kernel)")
 ap.add_argument("--kv-dtype", default=None, help="sample: the cache's storage dtype, e.g. float8_e4m3fn")
 args = ap.parse_args()
 if args.decode_kernel is not None:

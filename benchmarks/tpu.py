@@ -42,8 +42,8 @@ ap.add_argument("--rollout-dtype", default=None, help="grpo: the sampler's preci
                 "beside a float32 model; the line gets the sampler/trainer mismatch KL (sampling/mismatch_kl)")
 ap.add_argument("--is-mode", default=None, help="grpo: rollout.is_mode, the mismatch correction (token_truncate, ...)")
 ap.add_argument("--decode-kernel", default=None, action=argparse.BooleanOptionalAction,
-                help="sample: a TPU's decode steps through the Pallas kernel (attention.DECODE_KERNEL, the default) "
-                     "or --no-decode-kernel: the dense XLA path")
+                help="sample: a TPU's decode steps through the Pallas kernel (attention.DECODE_KERNEL, "
+                     "off by default) or the dense XLA path (--no-decode-kernel)")
 ap.add_argument("--kv-dtype", default=None, help="sample, grpo: the KV cache's storage dtype (Sampler kv_dtype, "
                 "rollout.kv_dtype), e.g. float8_e4m3fn; default: the compute dtype")
 ap.add_argument("--prefill-effort", type=float, default=None, help="sample: XLA's exec_time_optimization_effort "

@@ -41,7 +41,7 @@ def test_splash_equals_dense(case):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=5 * ATOL)
 
 
-def test_choose_tpu():
+def test_choose_tpu(monkeypatch):
     kw = dict(T=2048, S=2048, branches=False, softcap=False, cached=False)
     assert A.choose("tpu", **kw) == "splash"
     assert A.choose("tpu", **{**kw, "softcap": True}) == "splash"
@@ -50,7 +50,9 @@ def test_choose_tpu():
     assert A.choose("tpu", window=True, **kw) == "blockwise"
     assert A.choose("tpu", sinks=True, **{**kw, "softcap": True}) == "blockwise"
     assert A.choose("tpu", **{**kw, "T": 1}) == "dense"
-    one = {**kw, "T": 1, "cached": True}  # a decode step against a cache: the Pallas decode kernel
+    one = {**kw, "T": 1, "cached": True}  # a decode step against a cache: dense, or the Pallas kernel when asked
+    assert A.choose("tpu", **one) == "dense"
+    monkeypatch.setattr(A, "DECODE_KERNEL", True)
     assert A.choose("tpu", **one) == "decode"
     assert A.choose("tpu", window=True, **{**one, "softcap": True}) == "decode"
     assert A.choose("tpu", **{**one, "branches": True}) == "dense"  # prefix-shared rows, sinks, images: dense

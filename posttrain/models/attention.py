@@ -27,7 +27,8 @@ Implementations, all giving the same outputs and gradients (tests/test_attention
     expresses (no branches, no soft-capping, no cache).
   - "decode": a Pallas kernel on a TPU for decode steps (one query a row against a cache, no branches or sinks):
     it reads the cache only up to the query's slot, in (rows x slots) blocks with an online softmax
-    (models/attention_tpu.decode); "decode_interpret" runs it interpreted on a CPU (tests).
+    (models/attention_tpu.decode); opt-in (`DECODE_KERNEL`: slower than dense inside the sampler's step on a
+    v5e); "decode_interpret" runs it interpreted on a CPU (tests).
   - "splash": JAX's Pallas splash-attention kernel on a TPU for causal rows without a cache, branches, window
     or sinks (models/attention_tpu.py); "splash_interpret" runs the same kernel interpreted on a CPU (tests).
 `choose` picks one from the backend and the static layout facts; it is unit-tested on CPU.
@@ -48,7 +49,11 @@ TILE_WORK = 65536  # rows x tile^2: the tile is the largest of 64/128/256 within
 #                   8 x 256 -> 64, 4 x 512 -> 128, 1 x 2048 -> 256 were each the fastest tile, 2-5x the dense path)
 BLOCK = None  # a fixed tile size instead (tests set it)
 DENSE_MAX = 64  # rows no longer than this use the dense path
-DECODE_KERNEL = True  # a TPU's decode steps (one query a row, a cache) through the Pallas kernel; False: dense
+# a TPU's decode steps (one query a row, a cache) through the Pallas decode kernel (True) or dense (False, the
+# default): on a v5e chip the kernel beats the dense attention alone (llama3-1b's, 16 layers of 64 / 256 rows x 384
+# filled slots of 640: 131 / 351 us a layer against 159 / 520) but not inside the sampler's decode step, where XLA
+# fuses the dense one with its neighbours (64 rows: 5.14 ms a step against 4.77; docs/benchmarks.md, 14th session)
+DECODE_KERNEL = False
 TPU_TILE = 512  # blockwise tile on a TPU (prefix-shared rows, windows, caches: what splash does not take)
 
 

@@ -111,7 +111,10 @@ def _decode_kernel(last_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, o_ref, m_s
         q = q_ref[...].reshape(n, PG, W)
         k = k_ref[...].reshape(n, bs, W).astype(q.dtype)
         v = v_ref[...].reshape(n, bs, W).astype(q.dtype)
-        s = jnp.einsum("nqd,nsd->nqs", q, k, preferred_element_type=jnp.float32) * scale
+        # the products' precision stated (bfloat16: one pass; float32: exact), not the process's default: Mosaic
+        # refuses bfloat16 operands at JAX_DEFAULT_MATMUL_PRECISION=highest ("Bad lhs type", seen on a v5e)
+        prec = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else jax.lax.Precision.DEFAULT
+        s = jnp.einsum("nqd,nsd->nqs", q, k, preferred_element_type=jnp.float32, precision=prec) * scale
         if cap is not None:
             s = jnp.tanh(s / cap) * cap
         slot = j * bs + jax.lax.broadcasted_iota(jnp.int32, (1, 1, bs), 2)
@@ -129,7 +132,7 @@ def _decode_kernel(last_ref, q_ref, k_ref, v_ref, kpos_ref, qpos_ref, o_ref, m_s
         if S % bs:  # the last block runs past the cache: its slots beyond are not memory of it (any bits)
             inside = (j * bs + jax.lax.broadcasted_iota(jnp.int32, (1, bs, 1), 1)) < S
             v = jnp.where(inside, v, jnp.zeros((), v.dtype))
-        pv = jnp.einsum("nqs,nsd->nqd", p.astype(q.dtype), v, preferred_element_type=jnp.float32)
+        pv = jnp.einsum("nqs,nsd->nqd", p.astype(q.dtype), v, preferred_element_type=jnp.float32, precision=prec)
         acc_sc[...] = alpha * acc_sc[...] + pv
         m_sc[...] = jnp.broadcast_to(m_new, m_sc.shape)
         l_sc[...] = jnp.broadcast_to(l_new, l_sc.shape)
