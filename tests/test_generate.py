@@ -209,3 +209,24 @@ def test_bad_input(samplers, bad):
     s = samplers("llama")
     with pytest.raises(PosttrainError, match=bad["match"]):
         s.generate(bad.get("prompts", [[5, 6]]), SamplingParams(**bad.get("params", {})))
+
+
+def test_phase_sizes_aligned_for_a_tpu(monkeypatch, hf_checkpoints):
+    """On a TPU each decode phase's cache is a whole number of 32-slot tiles (an unaligned one made XLA copy the
+    cache inside the phase); sizes that round alike merge. The aligned phases hold more empty slots, which attention
+    masks: the tokens are the unaligned run's and the log-probs agree to round-off."""
+    from posttrain.generate import shapes
+
+    assert shapes.phase_sizes(128, 512, align=1) == [256, 384, 512, 639]
+    assert shapes.phase_sizes(128, 512, align=32) == [256, 384, 512, 640]
+    assert shapes.phase_sizes(128, 480, align=32) == [256, 384, 512, 608]
+    assert shapes.phase_sizes(100, 70, align=32) == [160, 192]  # 134, 168 rounded
+    assert shapes.phase_sizes(16, 2, align=32) == [32]
+    assert shapes.phase_align("tpu") == 32 and shapes.phase_align("cpu") == 1
+    prompts, params = _prompts(4), SamplingParams(max_new_tokens=100, temperature=0.0)
+    plain = Sampler(from_pretrained(hf_checkpoints["llama"]), max_len=128).generate(prompts, params)
+    monkeypatch.setattr(shapes, "phase_align", lambda backend=None: 32)
+    assert phase_sizes(16, 100) == [64, 96, 128]  # against 49, 82, 115 unaligned
+    aligned = Sampler(from_pretrained(hf_checkpoints["llama"]), max_len=128).generate(prompts, params)
+    np.testing.assert_array_equal(aligned.tokens, plain.tokens)
+    np.testing.assert_allclose(aligned.logprobs, plain.logprobs, atol=1e-5)
