@@ -9,6 +9,9 @@ log-sum-exp, as FlashAttention-2) and skips the tiles above the causal diagonal.
 Numerics: the kernel scores in float32 from q pre-multiplied by the scale in q's dtype, so in bfloat16 it equals
 `attention.dense` to bfloat16 round-off; `interpret=True` runs the same kernel on a CPU (tests/test_attention_tpu.py).
 Queries with no key to attend (padding) output zeros, as `dense` does.
+
+`decode` (below, opt-in through `attention.DECODE_KERNEL`): a Pallas kernel of this module's own for decode steps,
+one query a row against a KV cache, reading it only up to the query's slot.
 """
 
 from __future__ import annotations
@@ -159,7 +162,7 @@ def decode(q, k, v, layout, *, scale: float, cap, window=None, interpret: bool =
     dt = q.dtype
     eye = jnp.eye(P, dtype=dt)
     qe = (q.reshape(B, Kp, P, G, 1, H) * eye[:, None, :, None]).reshape(B, Kp, P * G, W)
-    R = -(-P * G // 8) * 8  # query rows a cache row: padded to whole sublanes (Mosaic's products take no other)
+    R = -(-P * G // 8) * 8  # query rows a cache row, padded to whole 8-row sublane tiles (zero rows: no effect)
     qe = jnp.pad(qe, ((0, 0), (0, 0), (0, R - P * G), (0, 0)))
     rows, bs = blocks or decode_blocks(B, Kp, S, W, jnp.dtype(k.dtype).itemsize)
     last = layout.q_slot[:1].astype(jnp.int32)
