@@ -127,7 +127,7 @@ DECODE = {"f32": (jnp.float32, 1, None, None, None), "packed": (jnp.float32, 4, 
 @pytest.mark.parametrize("case", list(DECODE))
 def test_decode_kernel_equals_dense(case):
     """One query a row against a cache of 300 slots filled to slot 200 (so the blocks after it are skipped and a
-    128-slot grid's last block runs past the cache), left padding of 0-35 slots, a row with no key at all: the
+    128-slot grid's last block runs past the cache), left padding of 0-28 slots, a row with no key at all: the
     Pallas decode kernel (interpreted on a CPU) equals `dense` on the same cache, packed P heads a row or not."""
     dt, P, window, cap, blocks = DECODE[case]
     Bd, Kd, Gd, Hd, S, idx = 6, 4, 3, 32, 300, 200

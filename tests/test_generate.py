@@ -220,7 +220,8 @@ def test_phase_sizes_aligned_for_a_tpu(monkeypatch, hf_checkpoints):
     assert shapes.phase_sizes(128, 512, align=1) == [256, 384, 512, 639]
     assert shapes.phase_sizes(128, 512, align=32) == [256, 384, 512, 640]
     assert shapes.phase_sizes(128, 480, align=32) == [256, 384, 512, 608]
-    assert shapes.phase_sizes(100, 70, align=32) == [160, 192]  # 134, 168 rounded
+    assert shapes.phase_sizes(100, 70, align=32) == [160, 192]  # 135, 169 rounded
+    assert shapes.phase_sizes(16, 100, align=128) == [128]  # 49, 82, 115: one phase
     assert shapes.phase_sizes(16, 2, align=32) == [32]
     assert shapes.phase_align("tpu") == 32 and shapes.phase_align("cpu") == 1
     prompts, params = _prompts(4), SamplingParams(max_new_tokens=100, temperature=0.0)
